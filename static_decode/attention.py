@@ -1,0 +1,122 @@
+"""Grouped-query attention of a chunk of queries against the KV cache.
+
+`grouped_attention` is the fixed-shape device function a captured step calls: device tensors plus a K/V view
+whose length is a Python int. `gqa_attention` is the checked public entry over a `StaticKVCache`.
+
+Slot t of row b sits at absolute position lens[b] - n_new[b] + t (lens counts the chunk just appended) and
+sees keys 0..that position. Slots t >= n_new[b] return exact zeros. The mask is built from the lengths, not
+as a T x T triangle, so a chunk appended after cached tokens sees those tokens too.
+
+Two formulations (measured in profiles/attention_cpu.md, see there for the numbers):
+
+* "matmul": the group folded into the query axis, [B, Hkv, G*T, d] @ [B, Hkv, d, S], so every KV head is
+  read once by one batched GEMM; masked softmax of our own. The default: fastest on the CPU here.
+* "sdpa": `F.scaled_dot_product_attention(..., attn_mask=..., enable_gqa=True)`, padded slots (whose mask
+  row is empty, so SDPA may return NaN there) replaced by zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from static_decode.cache import IntsLike, StaticKVCache, host_ints
+
+IMPLS = ("matmul", "sdpa")
+DEFAULT_IMPL = "matmul"
+
+
+def chunk_mask(lens: torch.Tensor, n_new: torch.Tensor, slots: int, keys: int) -> torch.Tensor:
+    """[B, T, S] bool: may slot t of row b see key s. lens counts the chunk; n_new its real tokens."""
+    t = torch.arange(slots, device=lens.device)  # [T]
+    s = torch.arange(keys, device=lens.device)  # [S]
+    pos = (lens - n_new)[:, None] + t  # [B, T] absolute position of each slot
+    real = t < n_new[:, None]  # [B, T]
+    return (s <= pos[:, :, None]) & real[:, :, None]  # [B, T, S]
+
+
+def _matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    B, Hq, T, d = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    qf = q.reshape(B, Hkv, G * T, d)  # [B, Hkv, G*T, d]: a group's queries share one KV head
+    scores = torch.matmul(qf, k.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # [B, Hkv, G*T, S]
+    scores = scores.view(B, Hkv, G, T, S).masked_fill(~mask[:, None, None], -math.inf)  # [B, Hkv, G, T, S]
+    # A fully masked slot has max -inf; shift by 0 instead so exp(-inf) gives 0 weights, not NaN.
+    top = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).min)
+    p = torch.exp(scores - top)  # [B, Hkv, G, T, S]
+    denom = p.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).tiny)
+    p = (p / denom).view(B, Hkv, G * T, S)
+    return torch.matmul(p, v).view(B, Hq, T, d)  # [B, Hq, T, d]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)  # [B, Hq, T, d]
+    real = mask.any(dim=-1)[:, None, :, None]  # [B, 1, T, 1]
+    return torch.where(real, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def grouped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: torch.Tensor,
+    n_new: torch.Tensor,
+    *,
+    impl: str = DEFAULT_IMPL,
+) -> torch.Tensor:
+    """Device-only attention: q [B, Hq, T, d], k/v [B, Hkv, S, d] (views, S = read length), lens/n_new [B].
+
+    No checks and no host reads: this is what a captured step runs. Returns [B, Hq, T, d].
+    """
+    mask = chunk_mask(lens, n_new, q.shape[2], k.shape[2])  # [B, T, S]
+    if impl == "matmul":
+        return _matmul(q, k, v, mask)
+    if impl == "sdpa":
+        return _sdpa(q, k, v, mask)
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def gqa_attention(
+    q: torch.Tensor,
+    cache: StaticKVCache,
+    n_new: IntsLike,
+    *,
+    layer: int = 0,
+    read_len: int | None = None,
+    impl: str = DEFAULT_IMPL,
+) -> torch.Tensor:
+    """Attention of the n_new[b] tokens just appended to `cache` (their queries q: [B, Hq, T, d]).
+
+    Reads `cache.k[layer, ..., :read_len, :]` only (a view); read_len defaults to the longest row of the host
+    mirror and must cover it. Query head h reads KV head h // (Hq // Hkv). Returns [B, Hq, T, d].
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a rank-4 tensor [B, Hq, T, d], got {getattr(q, 'shape', type(q))}")
+    B, Hq, T, d = q.shape
+    if B != cache.batch or d != cache.head_dim:
+        raise ValueError(f"q has shape {tuple(q.shape)}; the cache has batch {cache.batch}, head_dim {cache.head_dim}")
+    if Hq % cache.kv_heads:
+        raise ValueError(f"Hq={Hq} query heads is not a multiple of Hkv={cache.kv_heads}")
+    if q.dtype != cache.dtype:
+        raise TypeError(f"q has dtype {q.dtype}, the cache holds {cache.dtype}")
+    if q.device != cache.device:
+        raise ValueError(f"q is on {q.device}, the cache is on {cache.device}")
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < cache.layers:
+        raise ValueError(f"layer={layer!r} must be an int in 0..{cache.layers - 1}")
+    n = host_ints(n_new, "n_new")
+    if n.shape[0] != B:
+        raise ValueError(f"n_new has {n.shape[0]} entries, q has batch {B}")
+    for b in range(B):
+        if not 0 <= n[b] <= min(T, cache.host_lens[b]):
+            raise ValueError(
+                f"n_new[{b}]={n[b]} must lie in 0..min(T={T}, row length {cache.host_lens[b]}): "
+                "attention covers tokens already appended"
+            )
+    read_len = cache.check_read_len(read_len)
+    k, v = cache.layer_view(layer, read_len)  # [B, Hkv, read_len, d] views
+    return grouped_attention(q, k, v, cache.lens, cache.device_ints(n), impl=impl)
