@@ -1,0 +1,167 @@
+"""Load a transformers `save_pretrained` directory: config.json, safetensors weights, tokenizer, EOS ids.
+
+Weights are read with the `safetensors` library from `model.safetensors` or from the shards listed in
+`model.safetensors.index.json`. Every tensor's name and shape is checked against the config before any data
+is read, and errors name the key and the file. The model is built on the meta device and the loaded tensors
+are assigned in place, so nothing is initialised twice.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from static_decode.config import LlamaConfig, eos_ids
+from static_decode.model import Llama, hf_name
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Keys some checkpoints carry that hold nothing we need: rotary tables are recomputed from the config.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch dtype from a dtype or its name ("bfloat16", "bf16", "float32", ...)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with path.open() as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path) -> LlamaConfig:
+    """The model config of a checkpoint directory, EOS ids from generation_config.json when it has them."""
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {root}")
+    hf = _read_json(root / "config.json")
+    config = LlamaConfig.from_hf(hf)
+    gen_path = root / "generation_config.json"
+    if gen_path.is_file():
+        gen = _read_json(gen_path)
+        if gen.get("eos_token_id") is not None:
+            ids = eos_ids(gen["eos_token_id"], "generation_config.json key 'eos_token_id'")
+            hf = {**hf, "eos_token_id": list(ids)}
+            config = LlamaConfig.from_hf(hf)
+    return config
+
+
+def weight_files(root: Path) -> dict[str, Path]:
+    """Map every stored tensor name to its safetensors file (from the index when sharded)."""
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' object")
+        files = {key: root / name for key, name in weight_map.items()}
+        for key, file in files.items():
+            if not file.is_file():
+                raise FileNotFoundError(f"{INDEX_FILE} maps {key!r} to {file.name}, which does not exist")
+        return files
+    single = root / SINGLE_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
+    with safe_open(single, framework="pt") as f:
+        return {key: single for key in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+) -> Llama:
+    """Load a Llama-family checkpoint written by transformers' save_pretrained.
+
+    dtype defaults to the checkpoint's (that of its embedding); device defaults to the CPU. EOS ids land in
+    `model.config.eos_token_ids`. Raises, naming the key, on an unsupported architecture or rope type, a
+    missing, unexpected or mis-shaped tensor.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {root} does not exist")
+    config = load_config(root)
+    files = weight_files(root)
+    dtype = parse_dtype(dtype)
+    device = torch.device(device if device is not None else "cpu")
+
+    meta = Llama(config, dtype=torch.float32, device="meta")
+    wanted = {hf_name(name): tuple(p.shape) for name, p in meta.named_parameters()}
+    missing = [k for k in wanted if k not in files]
+    if missing:
+        raise KeyError(f"checkpoint {root} lacks tensor(s): {', '.join(missing)}")
+    unexpected = [
+        k
+        for k in files
+        if k not in wanted
+        and not k.endswith(IGNORED_SUFFIXES)
+        # A tied checkpoint may still store the head; it is the embedding, so it is not needed.
+        and not (k == "lm_head.weight" and config.tie_word_embeddings)
+    ]
+    if unexpected:
+        raise KeyError(
+            f"checkpoint {root} has tensor(s) the config does not describe: {', '.join(unexpected)}"
+        )
+
+    by_file: dict[Path, list[str]] = {}
+    for key in wanted:
+        by_file.setdefault(files[key], []).append(key)
+    for file, keys in by_file.items():  # check every shape before reading any data
+        with safe_open(file, framework="pt") as f:
+            for key in keys:
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != wanted[key]:
+                    raise ValueError(
+                        f"tensor {key!r} in {file.name} has shape {shape}, the config needs {wanted[key]}"
+                    )
+    if dtype is None:
+        with safe_open(files["model.embed_tokens.weight"], framework="pt") as f:
+            dtype = f.get_slice("model.embed_tokens.weight").get_dtype()
+            dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(dtype)
+        if dtype is None:
+            raise ValueError("the checkpoint's embedding dtype is not a float type; pass dtype=")
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file, keys in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for key in keys:
+                tensors[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+    model = Llama(config, dtype=dtype, device="meta")
+    state = {name: tensors[hf_name(name)] for name, _ in model.named_parameters()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.reset_rope()
+    return model.eval().requires_grad_(False)
+
+
+def load_tokenizer(path: str | Path):  # -> tokenizers.Tokenizer | None
+    """The `tokenizers` Tokenizer of a checkpoint directory, or None when it has no tokenizer.json."""
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(file))

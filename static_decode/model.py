@@ -1,0 +1,250 @@
+"""A Llama-family decoder over the static KV cache.
+
+Embedding, RMSNorm, rotary GQA attention through the core (`cache.write`, `cache.layer_view`,
+`grouped_attention`), SwiGLU MLP, final norm, LM head (tied or not). Module names mirror transformers'
+LlamaForCausalLM minus its `model.` prefix, so a checkpoint maps by name (`hf_name`).
+
+The step contract (what a captured step runs): `step(tokens [B, T], cache, n_new [B] device, read_len: int)`
+writes every layer's K/V at the old lengths, attends with lens_after = cache.lens + n_new over
+`cache.layer_view(layer, read_len)`, advances the device lengths once, and returns logits [B, T, V]. Positions
+come from cache.lens on the device. It never reads a tensor back to the host. `forward` is the checked host
+wrapper around it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from static_decode import rope
+from static_decode.attention import DEFAULT_IMPL, IMPLS, grouped_attention
+from static_decode.cache import IntsLike, StaticKVCache
+from static_decode.config import LlamaConfig
+
+
+def hf_name(name: str) -> str:
+    """The transformers state-dict key of one of our parameters."""
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back before the weight (as transformers does)."""
+
+    def __init__(
+        self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device | str | None
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Rotary GQA self-attention whose K/V live in the static cache."""
+
+    def __init__(self, cfg: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        d, hq, hkv, bias = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias
+        kw = {"dtype": dtype, "device": device}
+        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=bias, **kw)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=bias, **kw)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=bias, **kw)
+        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=bias, **kw)
+        self.heads, self.kv_heads, self.head_dim = hq, hkv, d
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: StaticKVCache,
+        layer: int,
+        n_new: torch.Tensor,
+        lens_after: torch.Tensor,
+        read_len: int,
+        impl: str,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, d]
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, d]
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, d]
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        cache.write(layer, k, v, n_new)  # at the old lengths; padded slots go to the spare row
+        k_all, v_all = cache.layer_view(layer, read_len)  # [B, Hkv, read_len, d] views
+        out = grouped_attention(q, k_all, v_all, lens_after, n_new, impl=impl)  # [B, Hq, T, d]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        kw = {"bias": cfg.mlp_bias, "dtype": dtype, "device": device}
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.self_attn = Attention(cfg, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.mlp = MLP(cfg, dtype=dtype, device=device)
+
+
+class Llama(nn.Module):
+    """A Llama-family causal LM whose attention reads and writes a `StaticKVCache`.
+
+    `attn_impl` picks the core attention formulation ("matmul" or "sdpa"); it is a runtime choice, not part of
+    the checkpoint.
+    """
+
+    inv_freq: torch.Tensor
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        attn_impl: str = DEFAULT_IMPL,
+    ) -> None:
+        super().__init__()
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        if attn_impl not in IMPLS:
+            raise ValueError(f"attn_impl must be one of {IMPLS}, got {attn_impl!r}")
+        self.config, self.attn_impl = config, attn_impl
+        kw = {"dtype": dtype, "device": device}
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
+        self.layers = nn.ModuleList(Block(config, **kw) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
+        )
+        self.register_buffer("inv_freq", torch.empty(config.head_dim // 2, device=device), persistent=False)
+        self.reset_rope()
+
+    def reset_rope(self) -> None:
+        """(Re)compute the float32 inverse frequencies on the model's device (after loading onto meta)."""
+        device = self.embed_tokens.weight.device
+        self.inv_freq = rope.inv_freq(self.config.rope, self.config.head_dim, device=device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
+        """A cache sized for this model: every layer's K and V in one allocation each."""
+        c = self.config
+        return StaticKVCache(
+            batch,
+            c.num_kv_heads,
+            max_len,
+            c.head_dim,
+            layers=c.num_layers,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    # ---- device side: the step -----------------------------------------------------------------------------
+    def hidden_states(
+        self, tokens: torch.Tensor, cache: StaticKVCache, n_new: torch.Tensor, read_len: int
+    ) -> torch.Tensor:
+        """The step up to (and including) the final norm: [B, T, D]. Writes K/V and advances the lengths."""
+        T = tokens.shape[1]
+        positions = cache.lens[:, None] + torch.arange(T, device=tokens.device)  # [B, T] old lens + slot
+        cos, sin = rope.cos_sin(self.inv_freq, positions, self.dtype)  # [B, 1, T, d]
+        lens_after = cache.lens + n_new  # [B]
+        x = self.embed_tokens(tokens)  # [B, T, D]
+        for i, block in enumerate(self.layers):
+            h = block.input_layernorm(x)
+            x = x + block.self_attn(h, cos, sin, cache, i, n_new, lens_after, read_len, self.attn_impl)
+            x = x + block.mlp(block.post_attention_layernorm(x))
+        cache.advance(n_new)
+        return self.norm(x)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] from final-normed hidden states [..., D]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight)
+
+    def step(
+        self, tokens: torch.Tensor, cache: StaticKVCache, n_new: torch.Tensor, read_len: int
+    ) -> torch.Tensor:
+        """The fixed-shape step: logits [B, T, V] for tokens [B, T]; see the module docstring."""
+        return self.head(self.hidden_states(tokens, cache, n_new, read_len))
+
+    # ---- host side: the checked wrapper --------------------------------------------------------------------
+    def check_cache(self, cache: StaticKVCache) -> None:
+        """Refuse a cache that was not made for this model (shape, dtype or device)."""
+        c = self.config
+        want = (c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        got = (cache.layers, cache.kv_heads, cache.head_dim, cache.dtype, cache.device)
+        if want != got:
+            raise ValueError(
+                f"cache (layers, kv_heads, head_dim, dtype, device) = {got}, the model needs {want}; "
+                "use model.new_cache()"
+            )
+
+    def forward(
+        self, tokens: torch.Tensor, cache: StaticKVCache, n_new: IntsLike, read_len: int | None = None
+    ) -> torch.Tensor:
+        """Checked step: validates everything on the host first, then runs `step` and commits the lengths.
+
+        tokens: [B, T] int64 (slots past n_new[b] are padding but must still be valid ids); n_new: B ints.
+        read_len defaults to the longest row after the chunk. On any error nothing is written.
+        """
+        self.check_cache(cache)
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
+            raise ValueError(
+                f"tokens must be an int64 tensor [B, T], got {getattr(tokens, 'dtype', type(tokens))} "
+                f"{tuple(getattr(tokens, 'shape', ()))}"
+            )
+        B, T = tokens.shape
+        if cache.batch != B:
+            raise ValueError(f"tokens has batch {B}, the cache has batch {cache.batch}")
+        if tokens.device != cache.device:
+            raise ValueError(f"tokens is on {tokens.device}, the cache is on {cache.device}")
+        if tokens.numel():
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(
+                    f"token ids must lie in 0..{self.config.vocab_size - 1}, got range {lo}..{hi}"
+                )
+        n = cache.validate(n_new, T)
+        longest = int(np.max(cache.host_lens + n)) if B else 0
+        if read_len is None:
+            read_len = longest
+        elif isinstance(read_len, bool) or not isinstance(read_len, int):
+            raise TypeError(f"read_len must be a Python int, got {type(read_len).__name__}")
+        elif not longest <= read_len <= cache.max_len:
+            raise ValueError(
+                f"read_len={read_len} must lie in {longest}..{cache.max_len} (the longest row after "
+                "this chunk)"
+            )
+        logits = self.step(tokens, cache, cache.device_ints(n), read_len)
+        cache.commit(n)
+        return logits

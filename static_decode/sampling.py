@@ -1,0 +1,103 @@
+"""Token choice on the device: greedy, or sampling by the exponential race, with per-row parameters.
+
+Sampling a token with probabilities p is the same as taking argmax_v p_v / E_v with E_v ~ Exp(1) independent
+(the exponential race; equivalently argmax logits_v / T - log E_v, the Gumbel-max trick). The E_v come from a
+counter-based integer hash of (seed[b], step, v), computed with int64 tensor ops that never overflow (every
+value stays below 2**48), so:
+
+* no torch.Generator and no host sync inside the step: it captures and compiles like any other op;
+* the draw depends only on (seed, step, token id): the same eager or compiled, whatever the batch or chunking;
+* a fixed seed reproduces the tokens exactly.
+
+Per row: temperature [B] (0 = greedy argmax), top_k [B] (<= 0 = off), top_p [B] (>= 1 = off), applied in
+transformers' order: temperature, then top-k, then top-p on the remaining probabilities. With temperature 0,
+top-k and top-p are ignored (as transformers' do_sample=False ignores them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+# lowbias32 (C. Wellons' hash-prospector): a 32-bit mixer with good avalanche. Both constants are split into
+# 16-bit halves for the multiply, so every product stays below 2**48 in int64.
+MIX_A, MIX_B = 0x7FEB352D, 0x846CA68B
+SEED_SALT = 0x9E3779B9  # golden-ratio constant: separates the two keys derived from one (seed, step)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for 0 <= x < 2**32, without int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer mixer on int64 tensors holding values in 0..2**32-1."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, MIX_A)
+    x = x ^ (x >> 15)
+    x = _mul32(x, MIX_B)
+    return x ^ (x >> 16)
+
+
+def mix32_host(x: int) -> int:
+    """mix32 on a Python int (host side, e.g. to derive per-row seeds)."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * MIX_A) & MASK32
+    x ^= x >> 15
+    x = (x * MIX_B) & MASK32
+    return x ^ (x >> 16)
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The 32-bit seed of one batch row: rows of one request draw independently; row 0 of a batch draws
+    exactly what a single request with the same seed draws."""
+    s = mix32_host(seed ^ mix32_host(seed >> 32))
+    return s if row == 0 else mix32_host(s ^ mix32_host(row))
+
+
+def uniform(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] float32 uniforms in (0, 1) hashed from (seed[b], step, v); seed [B] int64 < 2**32, step []."""
+    v = torch.arange(vocab, device=seed.device, dtype=torch.int64)  # [V]
+    key = mix32(seed ^ (step & MASK32))  # [B]
+    key2 = mix32(key ^ SEED_SALT)  # [B]
+    h = mix32(mix32(v[None, :] ^ key[:, None]) ^ key2[:, None])  # [B, V], two keyed rounds
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in float32, never 0 or 1
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[B] argmax token ids (the first on ties, as torch.argmax and transformers' greedy search)."""
+    return logits.argmax(dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    step: torch.Tensor,
+) -> torch.Tensor:
+    """[B] token ids from logits [B, V]; per-row temperature/top_k/top_p/seed [B]; step [] int64 (device).
+
+    Fixed shapes, no host reads. Rows with temperature 0 take the argmax.
+    """
+    B, V = logits.shape
+    logits = logits.to(torch.float32)
+    hot = temperature > 0  # [B]
+    scaled = logits / torch.where(hot, temperature, 1.0)[:, None]  # [B, V]
+    ordered, order = scaled.sort(dim=-1, descending=True)  # [B, V] each; sorted once per step
+    rank = torch.arange(V, device=logits.device)  # [V]
+    cut_k = (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])  # [B, V] past the k best
+    ordered = ordered.masked_fill(cut_k, -torch.inf)
+    probs = ordered.softmax(dim=-1)  # [B, V]
+    # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it already does.
+    # The best token is never dropped (mass before it is 0 < top_p).
+    before = probs.cumsum(dim=-1) - probs  # [B, V]
+    cut_p = (top_p[:, None] < 1) & (before >= top_p[:, None])  # [B, V]
+    ordered = ordered.masked_fill(cut_p, -torch.inf)
+    noise = uniform(seed, step, V).gather(1, order)  # [B, V] the draw of each sorted token's id
+    score = ordered - torch.log(-torch.log(noise))  # logits/T - log E, E = -log U ~ Exp(1)
+    picked = order.gather(1, score.argmax(dim=-1, keepdim=True)).squeeze(1)  # [B]
+    return torch.where(hot, picked, greedy(logits))
