@@ -2,6 +2,19 @@
 
 from static_decode.attention import gqa_attention, grouped_attention
 from static_decode.cache import StaticKVCache
+from static_decode.config import LlamaConfig
+from static_decode.generator import Generator
+from static_decode.loading import load_model, load_tokenizer
+from static_decode.model import Llama
 
-__all__ = ["StaticKVCache", "gqa_attention", "grouped_attention"]
+__all__ = [
+    "Generator",
+    "Llama",
+    "LlamaConfig",
+    "StaticKVCache",
+    "gqa_attention",
+    "grouped_attention",
+    "load_model",
+    "load_tokenizer",
+]
 __version__ = "0.1.0"
