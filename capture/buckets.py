@@ -1,0 +1,135 @@
+"""The read-length ladder: which read lengths get their own compiled graph.
+
+A step reads the cache up to a Python int `read_len` (rule 5), and torch.compile with `dynamic=False` bakes
+that int into the graph. One graph per distinct read length would be one graph per token, so the host rounds
+the length it needs (from its mirror of the lengths) up to the next rung of a short ladder, and each
+(step kind, rung) is one graph, captured once.
+
+The trade-off, which the defaults settle and the user can move:
+
+* more rungs -> less wasted read (bytes read past the live length) but more graphs: more capture time at
+  start-up (each graph is a full compile, tens of seconds for a large model) and, on CUDA, more graph-pool
+  memory;
+* fewer rungs -> faster start-up, more wasted read. The waste matters once the KV bytes read per token rival
+  the weight bytes: for Llama-3.1-8B in bf16 that is ~128 KiB of KV per cached token against ~16 GB of
+  weights, so at 32k live tokens the KV read is ~4 GB and reading up to 2x of it costs ~25%.
+
+`BucketLadder.geometric(max_len, align, growth)` builds rungs align, then each one `growth` times the last
+rounded up to a multiple of `align`, and always ends at `max_len` (the cache capacity, so every legal length
+has a rung). For any live length L >= 1 the chosen rung r satisfies
+
+    L <= r < growth * L + align        (and r <= max_len)
+
+With the defaults (align 256, growth 1.5) a 128k cache has 16 rungs, 32k 12 and 4k 7; growth 2.0 gives 10, 8
+and 5 rungs and allows up to twice the live read (plus align). An explicit list of lengths is accepted too.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_ALIGN = 256  # rung granularity: a multiple of the attention tile sizes, small next to real contexts
+DEFAULT_GROWTH = 1.5  # worst-case read is < 1.5x the live length + align; ~16 rungs at 128k
+
+
+def _int(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class BucketLadder:
+    """Strictly increasing read lengths; the last one is the cache capacity (`max_len`).
+
+    lengths: the rungs, e.g. (256, 384, 768, ..., max_len). Build one with `geometric` or pass your own.
+    """
+
+    lengths: tuple[int, ...]  # strictly increasing positive ints; lengths[-1] == max_len
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lengths, str | bytes) or not isinstance(self.lengths, Iterable):
+            raise TypeError(f"lengths must be a sequence of ints, got {type(self.lengths).__name__}")
+        lengths = tuple(_int(f"lengths[{i}]", x, minimum=1) for i, x in enumerate(self.lengths))
+        if not lengths:
+            raise ValueError("lengths must hold at least one read length (the cache capacity)")
+        for i in range(1, len(lengths)):
+            if lengths[i] <= lengths[i - 1]:
+                raise ValueError(
+                    f"lengths must be strictly increasing; lengths[{i - 1}]={lengths[i - 1]} >= "
+                    f"lengths[{i}]={lengths[i]} in {lengths}"
+                )
+        object.__setattr__(self, "lengths", lengths)
+
+    @classmethod
+    def geometric(
+        cls, max_len: int, *, align: int = DEFAULT_ALIGN, growth: float = DEFAULT_GROWTH
+    ) -> BucketLadder:
+        """Rungs align, ceil(growth * prev / align) * align, ..., max_len (the bound: module docstring)."""
+        max_len = _int("max_len", max_len, minimum=1)
+        align = _int("align", align, minimum=1)
+        if isinstance(growth, bool) or not isinstance(growth, int | float) or not math.isfinite(growth):
+            raise TypeError(f"growth must be a finite number, got {growth!r}")
+        if growth <= 1.0:
+            raise ValueError(f"growth must be > 1 (each rung longer than the last), got {growth}")
+        rungs: list[int] = []
+        r = align
+        while r < max_len:
+            rungs.append(r)
+            # Round up to the alignment, and always move by at least one alignment step.
+            r = max(r + align, math.ceil(growth * r / align) * align)
+        rungs.append(max_len)
+        return cls(tuple(rungs))
+
+    @classmethod
+    def default(cls, max_len: int) -> BucketLadder:
+        """The library default: `geometric(max_len, align=256, growth=1.5)`."""
+        return cls.geometric(max_len)
+
+    @classmethod
+    def of(cls, ladder: BucketLadder | Sequence[int] | None, max_len: int) -> BucketLadder:
+        """Normalise a user's choice: None -> the default, a list -> that ladder; it must end at max_len."""
+        if ladder is None:
+            return cls.default(max_len)
+        if not isinstance(ladder, BucketLadder):
+            ladder = cls(tuple(ladder))
+        if ladder.max_len != max_len:
+            raise ValueError(
+                f"the ladder's last rung is {ladder.max_len}, the cache capacity is max_len={max_len}; "
+                "the last rung must equal the capacity so that every legal length has a graph"
+            )
+        return ladder
+
+    @property
+    def max_len(self) -> int:
+        return self.lengths[-1]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        return iter(self.lengths)
+
+    def bucket_for(self, length: int) -> int:
+        """The smallest rung >= length (length from the host mirror: the longest row after this step)."""
+        if isinstance(length, bool) or not isinstance(length, int | np.integer):
+            raise TypeError(f"length must be an int, got {type(length).__name__}: {length!r}")
+        if length < 0:
+            raise ValueError(f"length must be >= 0, got {length}")
+        if length > self.max_len:
+            raise ValueError(
+                f"length {length} exceeds the cache capacity max_len={self.max_len} (the last rung); "
+                "no graph reads that far"
+            )
+        return self.lengths[bisect.bisect_left(self.lengths, length)]
+
+    def touched(self, lengths: Iterable[int]) -> tuple[int, ...]:
+        """The distinct rungs that `bucket_for` picks for these lengths, ascending."""
+        return tuple(sorted({self.bucket_for(n) for n in lengths}))
