@@ -71,12 +71,14 @@ def grouped_attention(
 
     No checks and no host reads: this is what a captured step runs. Returns [B, Hq, T, d].
     """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if k.shape[2] == 0:  # nothing cached in any row (a static shape, so this branch is fine under compile)
+        return torch.zeros_like(q)
     mask = chunk_mask(lens, n_new, q.shape[2], k.shape[2])  # [B, T, S]
     if impl == "matmul":
         return _matmul(q, k, v, mask)
-    if impl == "sdpa":
-        return _sdpa(q, k, v, mask)
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return _sdpa(q, k, v, mask)
 
 
 def gqa_attention(
@@ -98,7 +100,7 @@ def gqa_attention(
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a rank-4 tensor [B, Hq, T, d], got {getattr(q, 'shape', type(q))}")
     B, Hq, T, d = q.shape
-    if B != cache.batch or d != cache.head_dim:
+    if cache.batch != B or d != cache.head_dim:
         raise ValueError(f"q has shape {tuple(q.shape)}; the cache has batch {cache.batch}, head_dim {cache.head_dim}")
     if Hq % cache.kv_heads:
         raise ValueError(f"Hq={Hq} query heads is not a multiple of Hkv={cache.kv_heads}")

@@ -1,0 +1,155 @@
+"""gqa_attention against the numpy references (rules 2, 3 and 5).
+
+Pins: the offset causal mask of a chunk appended after cached tokens (a chunk-only T x T triangle passes decode
+and full prefill but fails here), query head h reading KV head h // G, padded slots and empty rows giving exact
+zeros (never NaN, even with extreme logits), and the read being a view of the buffer up to read_len.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from static_decode import StaticKVCache, gqa_attention
+from static_decode.attention import IMPLS, chunk_mask
+from static_decode.reference import attention_direct, attention_vectorised
+from tests.chunked import new_pair, schedule, to_torch
+
+
+def run_trial(rng: np.random.Generator, impl: str, dtype: torch.dtype, atol: float, rtol: float = 0.0) -> int:
+    hkv = int(rng.choice([1, 2, 4]))
+    g = int(rng.integers(1, 9))
+    batch, d, max_len = int(rng.integers(1, 4)), int(rng.choice([4, 8, 16])), 40
+    cache, hist = new_pair(batch, hkv, max_len, d, dtype)
+    finals = rng.integers(0, max_len + 1, size=batch)
+    calls = 0
+    for T, n in schedule(rng, finals, 8):
+        k_new, v_new = rng.standard_normal((2, batch, hkv, T, d))
+        q = rng.standard_normal((batch, hkv * g, T, d)) * 2.0
+        cache.append(to_torch(k_new, dtype), to_torch(v_new, dtype), n)
+        hist.append(k_new, v_new, n)
+        # The reference sees what the cache holds (rounded to dtype), so only the attention math differs.
+        kr = cache.k[0, :, :, :max_len].double().numpy()
+        vr = cache.v[0, :, :, :max_len].double().numpy()
+        qt = to_torch(q, dtype)
+        expected = attention_vectorised(qt.double().numpy(), kr, vr, hist.lens, n)
+        out = gqa_attention(qt, cache, n, impl=impl)
+        assert out.shape == (batch, hkv * g, T, d) and out.dtype == dtype
+        np.testing.assert_allclose(out.double().numpy(), expected, atol=atol, rtol=rtol)
+        for b in range(batch):
+            assert not out[b, :, n[b]:].any(), "padded slots must be exact zeros"
+        calls += 1
+    np.testing.assert_array_equal(cache.host_lens, finals)
+    np.testing.assert_array_equal(cache.lens.numpy(), finals)
+    return calls
+
+
+@pytest.mark.parametrize(("impl", "trials"), [("matmul", 300), ("sdpa", 100)])
+def test_float64_matches_references(impl: str, trials: int) -> None:
+    """The default impl over 300 random chunked trials, the alternative over 100."""
+    rng = np.random.default_rng(7)
+    calls = sum(run_trial(rng, impl, torch.float64, atol=1e-10) for _ in range(trials))
+    assert calls > trials
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), [(torch.float32, 2e-5, 1e-5), (torch.bfloat16, 8e-2, 5e-2)])
+def test_low_precision_against_float64(dtype: torch.dtype, atol: float, rtol: float) -> None:
+    """Stated tolerances: float32 within 2e-5 abs + 1e-5 rel; bfloat16 within 8e-2 abs + 5e-2 rel.
+
+    bfloat16 keeps 8 mantissa bits: logits near 8 round by ~0.03, so softmax weights move by ~3%."""
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        run_trial(rng, "matmul", dtype, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_long_chunk_after_long_history(impl: str) -> None:
+    """512 tokens appended after 3,000 cached ones: every chunk query must see all 3,000 old keys."""
+    rng = np.random.default_rng(3)
+    hkv, g, d = 2, 4, 16
+    cache = StaticKVCache(1, hkv, 4096, d, dtype=torch.float64)
+    k0, v0 = rng.standard_normal((2, 1, hkv, 3000, d))
+    cache.append(to_torch(k0, torch.float64), to_torch(v0, torch.float64), [3000])
+    k1, v1 = rng.standard_normal((2, 1, hkv, 512, d))
+    q = rng.standard_normal((1, hkv * g, 512, d))
+    cache.append(to_torch(k1, torch.float64), to_torch(v1, torch.float64), [512])
+    out = gqa_attention(to_torch(q, torch.float64), cache, [512], impl=impl).numpy()
+    k, v = np.concatenate([k0, k1], axis=2), np.concatenate([v0, v1], axis=2)
+    lens, n = np.array([3512]), np.array([512])
+    np.testing.assert_allclose(out, attention_vectorised(q, k, v, lens, n), atol=1e-10, rtol=0)
+    np.testing.assert_allclose(out, attention_direct(q, k, v, lens, n), atol=1e-10, rtol=0)
+    ref_tri = attention_vectorised(q, k[:, :, 3000:], v[:, :, 3000:], np.array([512]), n)  # the triangle bug
+    assert np.abs(out - ref_tri).max() > 1e-3, "a chunk-only triangle would give a different answer"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_extreme_logits_give_zeros_not_nan(impl: str) -> None:
+    """q = 64·1 and k = -64·1: huge negative logits. Padded slots and empty rows are exactly zero."""
+    d, hkv, g = 128, 2, 4
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        cache = StaticKVCache(3, hkv, 16, d, dtype=dtype)
+        kn = torch.full((3, hkv, 4, d), -64.0, dtype=dtype)
+        vn = torch.randn(3, hkv, 4, d).to(dtype)
+        cache.append(kn, vn, [4, 2, 0])
+        q = torch.full((3, hkv * g, 4, d), 64.0, dtype=dtype)
+        out = gqa_attention(q, cache, [4, 2, 0], impl=impl)
+        assert not out.isnan().any() and not out.isinf().any()
+        assert not out[1, :, 2:].any() and not out[2].any()
+        # Real slots: softmax of equal logits is uniform over the visible keys.
+        expected = vn[0, :, :2].double().mean(dim=1)  # slot 1 of row 0 sees keys 0..1
+        got = out[0, :, 1].double().view(hkv, g, d)
+        torch.testing.assert_close(got, expected[:, None].expand(hkv, g, d), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_empty_batch_and_empty_cache(impl: str) -> None:
+    empty = StaticKVCache(0, 2, 8, 4)
+    out = gqa_attention(torch.randn(0, 4, 3, 4), empty, [], impl=impl)
+    assert out.shape == (0, 4, 3, 4)
+    cache = StaticKVCache(2, 2, 8, 4)
+    out = gqa_attention(torch.randn(2, 4, 3, 4), cache, [0, 0], impl=impl)
+    assert out.shape == (2, 4, 3, 4) and not out.any() and not out.isnan().any()
+
+
+def test_read_is_a_view_up_to_read_len(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = StaticKVCache(1, 2, 64, 8, layers=3)
+    seen = []
+    import static_decode.attention as attention_module
+
+    real = attention_module.grouped_attention
+
+    def spy(q, k, v, lens, n_new, **kw):
+        seen.append((k, v))
+        return real(q, k, v, lens, n_new, **kw)
+
+    monkeypatch.setattr(attention_module, "grouped_attention", spy)
+    cache.host_lens[:] = 5
+    cache.lens.fill_(5)
+    gqa_attention(torch.randn(1, 4, 1, 8), cache, [1], layer=2)
+    gqa_attention(torch.randn(1, 4, 1, 8), cache, [1], layer=1, read_len=32)
+    (k1, v1), (k2, v2) = seen
+    assert k1.shape[2] == 5 and k2.shape[2] == 32  # default read_len = longest row; else as asked
+    for k, buf, layer in ((k1, cache.k, 2), (v1, cache.v, 2), (k2, cache.k, 1), (v2, cache.v, 1)):
+        assert k._base is buf or k.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        assert k.data_ptr() == buf[layer].data_ptr()  # a view into that layer, not a copy
+
+
+def test_chunk_mask_offsets() -> None:
+    """Row 0: 2 new tokens after 3 cached (positions 3, 4); row 1: nothing new; row 2: 1 token, a fresh row."""
+    mask = chunk_mask(torch.tensor([5, 4, 1]), torch.tensor([2, 0, 1]), 3, 6)
+    expected = torch.zeros(3, 3, 6, dtype=torch.bool)
+    expected[0, 0, :4] = True
+    expected[0, 1, :5] = True
+    expected[2, 0, :1] = True
+    assert torch.equal(mask, expected)
+
+
+def test_read_len_checks() -> None:
+    cache = StaticKVCache(1, 1, 8, 4)
+    cache.append(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), [3])
+    q = torch.randn(1, 2, 1, 4)
+    with pytest.raises(ValueError, match="read_len=2"):
+        gqa_attention(q, cache, [1], read_len=2)  # would hide the third key
+    with pytest.raises(ValueError, match="read_len=9"):
+        gqa_attention(q, cache, [1], read_len=9)
+    with pytest.raises(ValueError, match="impl"):
+        gqa_attention(q, cache, [1], impl="flash")

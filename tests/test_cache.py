@@ -1,0 +1,207 @@
+"""StaticKVCache: written once in place, never moved (rule 1), never repeated (rule 2), refused before writing (rule 6).
+
+Pins: growth by torch.cat (copies the whole cache every step), KV repeat for GQA (G x the bytes), a buffer
+that is reallocated, and a failed append that leaves half-written K/V or advanced lengths behind.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from static_decode import StaticKVCache, gqa_attention
+
+
+def _raise(*_a, **_k):
+    raise AssertionError("forbidden op on the cache path")
+
+
+@pytest.fixture
+def no_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make torch.cat/concat/concatenate, repeat_interleave and Tensor.repeat raise."""
+    for name in ("cat", "concat", "concatenate", "repeat_interleave"):
+        monkeypatch.setattr(torch, name, _raise)
+    monkeypatch.setattr(torch.Tensor, "repeat", _raise)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", _raise)
+
+
+@pytest.mark.parametrize("impl", ["matmul", "sdpa"])
+def test_no_concat_no_repeat_and_storage_never_moves(no_copies: None, impl: str) -> None:
+    with pytest.raises(AssertionError):
+        torch.cat([torch.zeros(1)])  # the patch is live
+    cache = StaticKVCache(2, 2, 64, 8, dtype=torch.float32)
+    ptrs = (cache.k.data_ptr(), cache.v.data_ptr(), cache.lens.data_ptr())
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        T = int(rng.integers(1, 6))
+        n = rng.integers(0, T + 1, size=2)
+        cache.append(torch.randn(2, 2, T, 8), torch.randn(2, 2, T, 8), n)
+        out = gqa_attention(torch.randn(2, 8, T, 8), cache, n, impl=impl)
+        assert out.shape == (2, 8, T, 8)
+        assert (cache.k.data_ptr(), cache.v.data_ptr(), cache.lens.data_ptr()) == ptrs
+    cache.reset()
+    assert (cache.k.data_ptr(), cache.v.data_ptr(), cache.lens.data_ptr()) == ptrs
+
+
+def test_append_writes_exactly_the_real_slots() -> None:
+    cache = StaticKVCache(2, 1, 6, 2, dtype=torch.float64)
+    k = torch.arange(2 * 1 * 3 * 2, dtype=torch.float64).view(2, 1, 3, 2) + 1
+    cache.append(k, -k, [2, 3])
+    cache.append(k[:, :, :1] * 10, k[:, :, :1] * 10, [1, 0])
+    expected = torch.zeros(2, 1, 6, 2, dtype=torch.float64)
+    expected[0, 0, :2] = k[0, 0, :2]
+    expected[0, 0, 2] = k[0, 0, 0] * 10
+    expected[1, 0, :3] = k[1, 0, :3]
+    assert torch.equal(cache.k[0, :, :, :6], expected)  # nothing past each row's length was touched
+    assert torch.equal(cache.v[0, :, :, :6, :][1], -expected[1])
+    assert cache.lens.tolist() == [3, 3] and cache.host_lens.tolist() == [3, 3]
+    assert cache.k.shape == (1, 2, 1, 7, 2)  # one spare position for padded slots
+
+
+def test_fills_to_exactly_max_len() -> None:
+    cache = StaticKVCache(1, 1, 5, 2)
+    cache.append(torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 2), [4])
+    cache.append(torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 2), [1])  # 3 padded slots past the end: fine
+    assert cache.host_lens.tolist() == [5]
+
+
+def _snapshot(cache: StaticKVCache):
+    return cache.k.clone(), cache.v.clone(), cache.lens.clone(), cache.host_lens.copy()
+
+
+def _assert_same(cache: StaticKVCache, snap) -> None:
+    k, v, lens, host = snap
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+    assert torch.equal(cache.lens, lens) and np.array_equal(cache.host_lens, host)
+
+
+B, H, D, MAX = 2, 2, 4, 10
+
+
+def _kv(T: int = 3, **kw):
+    shape = kw.pop("shape", (B, H, T, D))
+    return torch.randn(shape, **kw), torch.randn(shape, **kw)
+
+
+BAD_APPENDS = {
+    "overflow": (lambda: (*_kv(4), [4, 1]), ValueError, r"row 0 would overflow: it holds 7 .* 11 > max_len=10"),
+    "rank": (lambda: (*_kv(shape=(B, H, 3)), [1, 1]), ValueError, "rank 3"),
+    "batch": (lambda: (*_kv(shape=(3, H, 3, D)), [1, 1]), ValueError, r"\[B=2"),
+    "heads": (lambda: (*_kv(shape=(B, 3, 3, D)), [1, 1]), ValueError, "Hkv=2"),
+    "head_dim": (lambda: (*_kv(shape=(B, H, 3, 5)), [1, 1]), ValueError, "d=4"),
+    "dtype": (lambda: (*_kv(3, dtype=torch.float64), [1, 1]), TypeError, "float64"),
+    "k_v_differ": (lambda: (torch.randn(B, H, 3, D), torch.randn(B, H, 2, D), [1, 1]), ValueError, "differ"),
+    "negative": (lambda: (*_kv(3), [1, -1]), ValueError, r"n_new\[1\]=-1"),
+    "above_T": (lambda: (*_kv(3), [4, 0]), ValueError, r"n_new\[0\]=4 must lie in 0..3"),
+    "wrong_length": (lambda: (*_kv(3), [1, 1, 1]), ValueError, "3 entries"),
+    "float_n": (lambda: (*_kv(3), [1.0, 1.0]), TypeError, "integers"),
+    "2d_n": (lambda: (*_kv(3), [[1, 1]]), ValueError, "one-dimensional"),
+    "not_tensor": (lambda: (np.zeros((B, H, 3, D), np.float32), torch.randn(B, H, 3, D), [1, 1]), TypeError, "Tensor"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_APPENDS))
+def test_bad_append_raises_and_leaves_cache_bit_identical(case: str) -> None:
+    cache = StaticKVCache(B, H, MAX, D)
+    cache.append(torch.randn(B, H, 7, D), torch.randn(B, H, 7, D), [7, 2])
+    snap = _snapshot(cache)
+    make, exc, match = BAD_APPENDS[case]
+    with pytest.raises(exc, match=match):
+        cache.append(*make())
+    _assert_same(cache, snap)
+    cache.append(*_kv(3), [3, 3])  # and the cache still works
+    assert cache.host_lens.tolist() == [10, 5]
+
+
+def test_device_mismatch_is_refused() -> None:
+    cache = StaticKVCache(1, 1, 4, 2, device="meta")
+    with pytest.raises(ValueError, match="is on cpu, the cache is on meta"):
+        cache.append(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), [1])
+    with pytest.raises(ValueError, match="is on cpu, the cache is on meta"):
+        gqa_attention(torch.zeros(1, 2, 1, 2), cache, [0])
+
+
+BAD_ATTENTION = {
+    "rank": (lambda: torch.randn(B, 4, D), [1, 1], {}, ValueError, "rank-4"),
+    "batch": (lambda: torch.randn(3, 4, 1, D), [1, 1], {}, ValueError, "batch 2"),
+    "head_dim": (lambda: torch.randn(B, 4, 1, 8), [1, 1], {}, ValueError, "head_dim 4"),
+    "not_multiple": (lambda: torch.randn(B, 3, 1, D), [1, 1], {}, ValueError, "Hq=3 .* Hkv=2"),
+    "dtype": (lambda: torch.randn(B, 4, 1, D, dtype=torch.float64), [1, 1], {}, TypeError, "float64"),
+    "n_above_T": (lambda: torch.randn(B, 4, 1, D), [2, 1], {}, ValueError, r"n_new\[0\]=2"),
+    "n_above_len": (lambda: torch.randn(B, 4, 8, D), [7, 3], {}, ValueError, r"n_new\[1\]=3 .* row length 2"),
+    "n_negative": (lambda: torch.randn(B, 4, 1, D), [0, -1], {}, ValueError, r"n_new\[1\]=-1"),
+    "n_length": (lambda: torch.randn(B, 4, 1, D), [1], {}, ValueError, "1 entries"),
+    "layer": (lambda: torch.randn(B, 4, 1, D), [1, 1], {"layer": 1}, ValueError, "layer=1"),
+    "read_len_type": (lambda: torch.randn(B, 4, 1, D), [1, 1], {"read_len": 7.0}, TypeError, "read_len"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ATTENTION))
+def test_bad_attention_raises_and_leaves_cache_bit_identical(case: str) -> None:
+    cache = StaticKVCache(B, H, MAX, D)
+    cache.append(torch.randn(B, H, 7, D), torch.randn(B, H, 7, D), [7, 2])
+    snap = _snapshot(cache)
+    make_q, n, kw, exc, match = BAD_ATTENTION[case]
+    with pytest.raises(exc, match=match):
+        gqa_attention(make_q(), cache, n, **kw)
+    _assert_same(cache, snap)
+
+
+@pytest.mark.parametrize(
+    ("args", "exc"),
+    [((0, 1, 1, 1), None), ((1, 0, 1, 1), ValueError), ((1, 1, 0, 1), ValueError), ((1, 1, 1, 0), ValueError),
+     ((1.5, 1, 1, 1), TypeError), ((-1, 1, 1, 1), ValueError)],
+)
+def test_constructor_validation(args, exc) -> None:
+    if exc is None:
+        assert StaticKVCache(*args).batch == 0
+    else:
+        with pytest.raises(exc):
+            StaticKVCache(*args)
+    with pytest.raises(TypeError, match="dtype"):
+        StaticKVCache(1, 1, 1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="single-layer"):
+        StaticKVCache(1, 1, 4, 1, layers=2).append(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1), [1])
+
+
+def test_multi_layer_step_api() -> None:
+    """The model's per-step protocol: write every layer at the old lengths, attend with lens + n_new, advance once."""
+    cache = StaticKVCache(2, 1, 8, 2, layers=3, dtype=torch.float64)
+    n = cache.validate([2, 1], 2)
+    n_dev = cache.device_ints(n)
+    for layer in range(3):
+        cache.write(layer, torch.full((2, 1, 2, 2), float(layer + 1), dtype=torch.float64),
+                    torch.zeros(2, 1, 2, 2, dtype=torch.float64), n_dev)
+    cache.advance(n_dev)
+    cache.commit(n)
+    assert cache.lens.tolist() == [2, 1] and cache.host_lens.tolist() == [2, 1]
+    for layer in range(3):
+        k, _ = cache.layer_view(layer, cache.longest())
+        assert k.shape == (2, 1, 2, 2)
+        assert (k[0] == layer + 1).all() and (k[1, :, 0] == layer + 1).all() and (k[1, :, 1] == 0).all()
+
+
+FORBIDDEN_ATEN = ("cat", "repeat", "repeat_interleave", "clone", "_to_copy", "copy_", "contiguous", "index_select")
+
+
+@pytest.mark.parametrize("impl", ["matmul", "sdpa"])
+def test_no_copy_at_the_aten_level(impl: str) -> None:
+    """Stronger than patching Python names: no aten op that concatenates, repeats or copies runs at all,
+    so neither K nor V is materialised again (a broadcasting matmul over G would show up here as a copy)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    cache = StaticKVCache(2, 2, 64, 8)
+    with Spy():
+        cache.append(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), [5, 3])
+        gqa_attention(torch.randn(2, 8, 5, 8), cache, [5, 3], impl=impl)
+        cache.append(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), [1, 1])
+        gqa_attention(torch.randn(2, 8, 1, 8), cache, [1, 1], impl=impl, read_len=32)
+    assert seen and not set(seen) & set(FORBIDDEN_ATEN), sorted(set(seen) & set(FORBIDDEN_ATEN))
