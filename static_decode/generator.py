@@ -30,6 +30,8 @@ from static_decode.steps import PAD, STEPS, StepBuffers, StepFn
 # compile=True before the capture layer: reads are rounded up to a power of two (at least this), so a request
 # compiles a handful of graphs rather than one per length.
 MIN_COMPILED_READ = 16
+DEFAULT_CHUNK_SIZE = 64  # prompt slots per prefill step
+DEFAULT_READ_EVERY = 16  # decode steps between read-backs of the emitted tokens
 
 
 @dataclass
@@ -80,11 +82,11 @@ class Generator:
         model: Llama,
         *,
         max_len: int,
-        chunk_size: int = 64,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
         compile: bool = False,
         batch: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
-        read_every: int = 16,
+        read_every: int = DEFAULT_READ_EVERY,
     ) -> None:
         if not isinstance(model, Llama):
             raise TypeError(f"model must be a static_decode.Llama, got {type(model).__name__}")

@@ -1,0 +1,7 @@
+"""`python -m static_decode ...` runs the `static-decode` command line."""
+
+import sys
+
+from static_decode.cli import main
+
+sys.exit(main())
