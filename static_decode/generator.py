@@ -7,13 +7,14 @@ keeps an upper bound during decode (each step adds at most one token per row), f
 the read length. Emitted tokens are read back from `bufs.out` in batches (every `read_every` steps and at the
 end): that is the only sync during decode, and it is also where the host notices that every row finished.
 
-Two single points the capture layer hooks into: `_read_len(longest)` (the read length of a step, to be rounded
-up to a captured bucket) and `_step(kind, read_len)` (the callable to launch: the eager function from
-`steps.STEPS` when compile=False).
+Two single points the capture layer hooks into: `_read_len(longest)` (the read length of a step, rounded up
+to a captured bucket under compile=True) and `_step(kind, read_len)` (the callable to launch: the eager
+function from `steps.STEPS` when compile=False, the registry's compiled step otherwise; see capture/).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -22,14 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from capture import BucketLadder, CaptureOptions, StepRegistry, preserving
 from static_decode import sampling
 from static_decode.cache import StaticKVCache
 from static_decode.model import Llama
 from static_decode.steps import PAD, STEPS, StepBuffers, StepFn
 
-# compile=True before the capture layer: reads are rounded up to a power of two (at least this), so a request
-# compiles a handful of graphs rather than one per length.
-MIN_COMPILED_READ = 16
 DEFAULT_CHUNK_SIZE = 64  # prompt slots per prefill step
 DEFAULT_READ_EVERY = 16  # decode steps between read-backs of the emitted tokens
 
@@ -87,6 +86,7 @@ class Generator:
         batch: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
         read_every: int = DEFAULT_READ_EVERY,
+        capture: CaptureOptions | None = None,
     ) -> None:
         if not isinstance(model, Llama):
             raise TypeError(f"model must be a static_decode.Llama, got {type(model).__name__}")
@@ -95,6 +95,10 @@ class Generator:
         self.chunk_size = _int("chunk_size", chunk_size, 1)
         self.read_every = _int("read_every", read_every, 1)
         self.compile = bool(compile)
+        self.capture = CaptureOptions() if capture is None else capture  # compile=True: buckets, warm-up
+        if not isinstance(self.capture, CaptureOptions):
+            raise TypeError(f"capture must be a capture.CaptureOptions, got {type(capture).__name__}")
+        self._registry: StepRegistry | None = None
         self.fixed_batch = None if batch is None else _int("batch", batch, 1)
         eos = model.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
         for i in eos:
@@ -104,7 +108,6 @@ class Generator:
         self.eos_token_ids = tuple(int(i) for i in eos)
         self.cache: StaticKVCache | None = None
         self.bufs: StepBuffers | None = None
-        self._compiled: dict[str, StepFn] = {}
         self.stats: GenerationStats | None = None
         if self.fixed_batch is not None:
             self._allocate(self.fixed_batch)
@@ -112,18 +115,33 @@ class Generator:
     # ---- the two hooks the capture layer replaces ------------------------------------------------------
     def _read_len(self, longest: int) -> int:
         """The read length of a step whose longest row (after it) holds `longest` tokens."""
-        if not self.compile:
+        if self._registry is None:
             return longest
-        bucket = max(MIN_COMPILED_READ, 1 << max(longest - 1, 0).bit_length())
-        return min(bucket, self.max_len)
+        return self._registry.ladder.bucket_for(longest)
 
     def _step(self, kind: str, read_len: int) -> StepFn:
         """The callable that runs step `kind` at `read_len`."""
-        if not self.compile:
+        if self._registry is None:
             return STEPS[kind]
-        if kind not in self._compiled:
-            self._compiled[kind] = torch.compile(STEPS[kind], dynamic=False)
-        return self._compiled[kind]
+        return self._registry.step(kind, read_len)
+
+    def _capture_steps(self) -> None:
+        """compile=True: compile the steps over this cache and these buffers, one graph per (kind, bucket)."""
+        cache, bufs, opts = self.cache, self.bufs, self.capture
+        live = [cache.lens, *bufs.tensors().values()]
+
+        def idle() -> contextlib.AbstractContextManager[None]:
+            # Warm-up runs with every row done and n_new = 0 (nothing appended: padded K/V goes to the spare
+            # row), then every buffer and the lengths are restored.
+            return preserving(live, prepare=lambda: (bufs.done.fill_(True), bufs.n_new.zero_()))
+
+        self._registry = StepRegistry(
+            STEPS, BucketLadder.of(opts.buckets, self.max_len), args=(self.model, cache, bufs),
+            device=cache.device, settings=opts.settings, unbucketed=("first", "first_greedy"),
+            static_tensors=[cache.k, cache.v, *live], scratch=idle,
+        )
+        if opts.warm_up == "all":
+            self._registry.warm_up(self._registry.pairs(opts.kinds), progress=opts.progress)
 
     # ---- allocation ------------------------------------------------------------------------------------
     def _allocate(self, batch: int) -> None:
@@ -138,6 +156,9 @@ class Generator:
             dtype=m.dtype,
             device=m.device,
         )
+        self._registry = None
+        if self.compile:
+            self._capture_steps()
 
     # ---- request checks (before anything changes) ------------------------------------------------------
     def _check_request(

@@ -1,0 +1,268 @@
+"""The compiled step registry: one compiled graph per (step kind, read bucket), warmed up before it is needed.
+
+A step is `fn(*args, read_len)`: the `args` are fixed for the registry's life (model, cache, static buffers
+that the host fills before each call), `read_len` is a rung of the bucket ladder. Each kind is compiled once
+with `CompileSettings.compile` (fullgraph, dynamic=False), so every rung it is called with becomes its own
+graph; on CUDA with mode="reduce-overhead" each graph is a CUDA graph.
+
+What the registry takes care of:
+
+* static addresses: under CUDA graphs, every tensor a step mutates (the cache, the step buffers) is given to
+  `torch._dynamo.mark_static_address`, or reduce-overhead would skip the graph (counted as a cudagraph skip).
+  Registered buffers of an nn.Module are static by default only when the module's own forward is compiled;
+  the steps are plain functions taking the cache as an argument, so the registry marks them explicitly.
+* the recompile limit: kinds x buckets graphs must fit under dynamo's limit (set on each compile where torch
+  supports it, otherwise raised process-wide);
+* warm-up: `warm_up()` runs every pair (three calls each under CUDA graphs: warm-up, record, replay),
+  inside the owner's `scratch` context that puts the state in a harmless configuration (no row appends
+  anything) and restores it afterwards, so the cache and the buffers are exactly as before; a rich progress
+  bar and the total capture time are reported; each pair runs inside an NVTX range "capture/<kind>/<bucket>";
+* outputs: steps should write results into static buffers (nothing to lose when a replay overwrites graph
+  outputs); any tensors a step does return are cloned under CUDA graphs before the next replay.
+
+Lazy mode (`warm_up` not called, or called for some pairs only): a pair compiles at its first real call, and
+its record is made then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from capture import _dynamo_counters as dc
+from capture.buckets import BucketLadder
+from capture.guards import count_compiles
+from capture.ranges import capture_range
+from capture.report import CaptureRecord, CaptureReport
+from capture.settings import CompileSettings
+
+Pair = tuple[str, int]
+ScratchFactory = Callable[[], contextlib.AbstractContextManager[Any]]
+
+CUDAGRAPH_WARMUP_CALLS = 3  # cudagraph trees: 1st call warms up, 2nd records, 3rd replays (checked here)
+_GRAPHS_REQUESTED = 0  # all pairs of all registries in this process (the process-wide limit must cover them)
+
+
+@contextlib.contextmanager
+def preserving(tensors: Iterable[torch.Tensor], prepare: Callable[[], None] | None = None) -> Iterator[None]:
+    """Snapshot `tensors`, run `prepare()` (e.g. "no row appends anything"); copy the snapshot back after."""
+    tensors = list(tensors)
+    saved = [t.clone() for t in tensors]
+    try:
+        if prepare is not None:
+            prepare()
+        yield
+    finally:
+        with torch.no_grad():
+            for t, s in zip(tensors, saved, strict=True):
+                t.copy_(s)
+
+
+class StepRegistry:
+    """Compiled steps by (kind, read bucket) for one set of static arguments.
+
+    steps: kind -> fn(*args, read_len); ladder: the read buckets; args: the fixed leading arguments;
+    unbucketed: kinds that read no cache (always called with read_len 0: one graph each);
+    static_tensors: tensors steps mutate (marked as static addresses under CUDA graphs);
+    scratch: a context factory for warm-up (see `preserving`); without it, warm-up runs on the live state.
+    """
+
+    def __init__(
+        self,
+        steps: Mapping[str, Callable[..., Any]],
+        ladder: BucketLadder,
+        *,
+        args: Sequence[Any],
+        device: torch.device | str,
+        settings: CompileSettings | None = None,
+        unbucketed: Iterable[str] = (),
+        static_tensors: Iterable[torch.Tensor] = (),
+        scratch: ScratchFactory | None = None,
+    ) -> None:
+        global _GRAPHS_REQUESTED
+        if not isinstance(ladder, BucketLadder):
+            raise TypeError(f"ladder must be a BucketLadder, got {type(ladder).__name__}")
+        if not steps:
+            raise ValueError("steps must name at least one step kind")
+        for kind, fn in steps.items():
+            if not callable(fn):
+                raise TypeError(f"step {kind!r} must be callable, got {type(fn).__name__}")
+        self.unbucketed = frozenset(unbucketed)
+        unknown = self.unbucketed - set(steps)
+        if unknown:
+            raise ValueError(f"unbucketed kinds {sorted(unknown)} are not among the steps {sorted(steps)}")
+        self.ladder = ladder
+        self.device = torch.device(device)
+        self.settings = CompileSettings.for_device(self.device) if settings is None else settings
+        self.cudagraphs = self.settings.cudagraphs(self.device)
+        self.args = tuple(args)
+        self.scratch = scratch
+        self._eager = dict(steps)
+        if self.cudagraphs:
+            for t in static_tensors:
+                dc.mark_static_address(t)
+        n_graphs = {k: 1 if k in self.unbucketed else len(ladder) for k in steps}
+        _GRAPHS_REQUESTED += sum(n_graphs.values())
+        dc.raise_recompile_limit(max(_GRAPHS_REQUESTED, max(n_graphs.values())) + 8)
+        self._compiled = {k: self.settings.compile(fn, graphs=n_graphs[k]) for k, fn in steps.items()}
+        self._runners = {k: self._runner(k) for k in self._compiled}
+        self._rungs = frozenset(ladder.lengths)
+        self.records: dict[Pair, CaptureRecord] = {}
+
+    # ---- what exists --------------------------------------------------------------------------------------
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self._compiled)
+
+    def pairs(self, kinds: Iterable[str] | None = None) -> list[Pair]:
+        """Every (kind, read_len) this registry can run, largest reads first (most memory, captured first)."""
+        kinds = self.kinds if kinds is None else tuple(kinds)
+        out: list[Pair] = []
+        for kind in kinds:
+            self._check_kind(kind)
+            out += (
+                [(kind, 0)] if kind in self.unbucketed else [(kind, r) for r in reversed(self.ladder.lengths)]
+            )
+        return out
+
+    def _check_kind(self, kind: str) -> None:
+        if kind not in self._compiled:
+            raise KeyError(f"no step kind {kind!r}; this registry has {self.kinds}")
+
+    def _pair(self, kind: str, read_len: int) -> Pair:
+        self._check_kind(kind)
+        if kind in self.unbucketed:
+            return kind, 0
+        if read_len not in self._rungs:
+            raise ValueError(
+                f"read_len={read_len} for step {kind!r} is not a bucket of the ladder {self.ladder.lengths}; "
+                "round it up with ladder.bucket_for()"
+            )
+        return kind, read_len
+
+    # ---- running ------------------------------------------------------------------------------------------
+    def step(self, kind: str, read_len: int) -> Callable[..., Any]:
+        """A callable `fn(*args, read_len)` running the compiled step (the Generator's `_step` hook)."""
+        pair = self._pair(kind, read_len)
+        if pair not in self.records:
+            return lambda *a: self._first_call(pair, a)
+        return self._runners[kind]
+
+    def run(self, kind: str, read_len: int) -> Any:
+        """Run step `kind` at bucket `read_len` on this registry's arguments."""
+        return self.step(kind, read_len)(*self.args, read_len)
+
+    def _runner(self, kind: str) -> Callable[..., Any]:
+        """The per-call wrapper: no_grad (one grad mode for every call, so no guard ever fails on it), the
+        fixed read length of an unbucketed kind, and under CUDA graphs a new replay step and cloned outputs."""
+        fn = self._compiled[kind]
+        fixed = 0 if kind in self.unbucketed else None
+        cudagraphs = self.cudagraphs
+
+        def call(*a: Any) -> Any:
+            if fixed is not None:
+                a = (*a[:-1], fixed)
+            with torch.no_grad():
+                if cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()  # earlier outputs may now be overwritten
+                out = fn(*a)
+            if cudagraphs and out is not None:
+                out = pytree.tree_map_only(torch.Tensor, torch.clone, out)
+            return out
+
+        return call
+
+    def _first_call(self, pair: Pair, a: tuple[Any, ...]) -> Any:
+        """Lazy capture: a real call of a pair that was not warmed up; timed and recorded."""
+        out, record = self._measure(pair, lambda: self._runners[pair[0]](*a), calls=1)
+        self.records[pair] = record
+        return out
+
+    # ---- warm-up / capture --------------------------------------------------------------------------------
+    def warm_up(self, pairs: Iterable[Pair] | None = None, *, progress: bool = True) -> CaptureReport:
+        """Compile (and under CUDA graphs capture) every pair not yet captured; return their records."""
+        todo = [self._pair(*p) for p in (self.pairs() if pairs is None else pairs)]
+        todo = [p for p in dict.fromkeys(todo) if p not in self.records]
+        calls = CUDAGRAPH_WARMUP_CALLS if self.cudagraphs else 1
+        t0 = time.perf_counter()
+        scratch = self.scratch() if self.scratch is not None else contextlib.nullcontext()
+        with scratch, _progress(len(todo), enabled=progress and bool(todo)) as advance:
+            for kind, read_len in todo:
+                run = self._runners[kind]
+                _, record = self._measure(
+                    (kind, read_len), lambda r=run, n=read_len: r(*self.args, n), calls=calls
+                )
+                self.records[(kind, read_len)] = record
+                advance(f"{kind} @ {read_len}: {record.seconds:.1f} s")
+        report = CaptureReport(
+            records=[self.records[p] for p in todo],
+            seconds=time.perf_counter() - t0,
+            settings=self.settings.describe(),
+            device=str(self.device),
+        )
+        if progress and todo:
+            _console().print(f"[capture] {report.summary()}")
+        return report
+
+    def _measure(self, pair: Pair, call: Callable[[], Any], *, calls: int) -> tuple[Any, CaptureRecord]:
+        kind, read_len = pair
+        mem0 = _reserved(self.device)
+        out = None
+        with capture_range(kind, read_len), count_compiles() as counter, torch.no_grad():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                out = call()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - t0
+        c = counter.counts
+        mem1 = _reserved(self.device)
+        record = CaptureRecord(
+            kind=kind,
+            read_len=read_len,
+            seconds=seconds,
+            graphs=c.graphs,
+            graph_breaks=c.graph_breaks,
+            recompiles=c.recompiles,
+            cudagraph_skips=c.cudagraph_skips,
+            pool_bytes=None if mem0 is None or mem1 is None else max(0, mem1 - mem0),
+        )
+        return out, record
+
+
+def _reserved(device: torch.device) -> int | None:
+    """Device memory reserved by the caching allocator (graph pools included); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_reserved(device))
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+@contextlib.contextmanager
+def _progress(total: int, *, enabled: bool) -> Iterator[Callable[[str], None]]:
+    """A rich progress bar over the pairs (on stderr); `advance(text)` after each one."""
+    if not enabled:
+        yield lambda text: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (
+        TextColumn("capture"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+    )
+    with Progress(*columns, console=_console(), transient=False) as bar:
+        task = bar.add_task("", total=total)
+        yield lambda text: bar.update(task, advance=1, description=text)
