@@ -1,0 +1,99 @@
+"""Shared test helper: tiny random Llama checkpoints written by transformers' own save_pretrained.
+
+The transformers model that wrote a checkpoint is the independent reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 96
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # With head_dim 8 and theta 5e5 the wavelengths are ~6, ~167, ~4.4e3, ~1.2e5: one below
+    # 256 / high_freq_factor (kept), one between (smoothed), two above 256 / low_freq_factor (divided).
+    "original_max_position_embeddings": 256,
+}
+
+
+def hf_llama(
+    *,
+    rope: str = "default",
+    tied: bool = False,
+    seed: int = 0,
+    head_dim: int | None = None,
+    eos: int | list[int] | None = None,
+    layers: int = 2,
+):
+    """A random transformers LlamaForCausalLM: hidden 64, GQA 8 query / 2 KV heads, weights large enough that
+    logits spread over several units (so a 1e-4 agreement is not trivially met by near-zero logits)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=512,
+        rope_theta=500000.0 if rope == "llama3" else 10000.0,
+        rope_scaling=dict(LLAMA3_ROPE) if rope == "llama3" else None,
+        tie_word_embeddings=tied,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=None,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def save(model, path: Path, **kwargs) -> Path:
+    """save_pretrained into `path` (kwargs go to save_pretrained, e.g. max_shard_size)."""
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def rewrite_config(path: Path, edit) -> None:
+    """Apply `edit(dict) -> None` to path/config.json in place."""
+    file = path / "config.json"
+    cfg = json.loads(file.read_text())
+    edit(cfg)
+    file.write_text(json.dumps(cfg, indent=2))
+
+
+def to_4x_style(cfg: dict) -> None:
+    """Turn a 5.x config.json dict into the 4.x layout: top-level rope_theta plus rope_scaling."""
+    params = dict(cfg.pop("rope_parameters", None) or {})
+    if "rope_theta" in params:
+        cfg["rope_theta"] = params.pop("rope_theta")
+    cfg["rope_scaling"] = None if params.get("rope_type", "default") == "default" else params
+
+
+def hf_greedy(model, prompt: list[int], max_new: int, eos: int | list[int] | None) -> list[int]:
+    """transformers' greedy continuation of one prompt (EOS included when emitted)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+            attention_mask=torch.ones_like(ids),
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_logits(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), V] float32 logits of transformers' full-sequence forward."""
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
