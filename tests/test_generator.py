@@ -1,0 +1,215 @@
+"""The Generator: one cache reused across requests, ragged batches, EOS handling, streaming, refusals.
+
+Pins: a refused request (too long, malformed) changes nothing and the generator keeps working; the cache is
+allocated once (same storage across requests; regrown only for a batch larger than any before); rows that
+emit EOS stop (EOS included) while the others go on, and keep their output; streaming reads the device
+lazily (the first token before any decode step, then one read per `read_every` steps); every step launch
+goes through `_read_len` / `_step` with a read length covering the longest row; the host mirror of the lengths
+ends equal to the device lengths; greedy output equals transformers' with compile on and off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from capture import CaptureOptions, CompileSettings
+from static_decode import Generator, load_model
+from static_decode.steps import STEPS
+from tests.checkpoints import VOCAB, hf_greedy, hf_llama, save
+
+PROMPTS = [[5, 17, 33, 2, 90, 61, 7], [40, 41], [9] * 19]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    hf = hf_llama(seed=31)
+    return hf, load_model(save(hf, tmp_path_factory.mktemp("gen")))
+
+
+@pytest.fixture(scope="module")
+def model(pair):
+    return pair[1]
+
+
+def ptrs(gen: Generator) -> tuple[int, int]:
+    return gen.cache.k.data_ptr(), gen.cache.v.data_ptr()
+
+
+def test_ragged_batch_equals_single_requests_and_transformers(pair):
+    hf, model = pair
+    gen = Generator(model, max_len=48, chunk_size=8, eos_token_ids=[])
+    batch = gen.generate(PROMPTS, 12)
+    assert batch == [hf_greedy(hf, p, 12, eos=None) for p in PROMPTS]
+    assert [gen.generate(p, 12) for p in PROMPTS] == batch
+
+
+def test_rows_stop_at_their_own_eos_and_keep_their_output(pair):
+    hf, model = pair
+    free = [hf_greedy(hf, p, 12, eos=None) for p in PROMPTS]
+    eos = free[0][3]  # row 0 stops at its 4th token; other rows stop wherever they first emit it, if ever
+    expected = [hf_greedy(hf, p, 12, eos=eos) for p in PROMPTS]
+    assert len(expected[0]) == 4 and any(len(e) == 12 for e in expected)
+    gen = Generator(model, max_len=48, chunk_size=8, eos_token_ids=[eos], read_every=2)
+    assert gen.generate(PROMPTS, 12) == expected
+    assert gen.generate(PROMPTS, 12, stop_at_eos=False) == free
+
+
+def test_cache_is_allocated_once_and_reused(model):
+    gen = Generator(model, max_len=48, eos_token_ids=[])
+    assert gen.cache is None  # no batch given: allocated at the first request
+    gen.generate(PROMPTS[0], 4)
+    first = ptrs(gen)
+    gen.generate(PROMPTS[1], 4)
+    assert ptrs(gen) == first and gen.cache.batch == 1
+    gen.generate(PROMPTS, 4)  # a larger batch: regrown once
+    grown = ptrs(gen)
+    assert gen.cache.batch == 3
+    gen.generate(PROMPTS[:2], 4)
+    gen.generate(PROMPTS[2], 4)
+    assert ptrs(gen) == grown and gen.cache.batch == 3
+
+
+def test_fixed_batch_allocates_up_front_and_refuses_more_rows(model):
+    gen = Generator(model, max_len=48, batch=2, eos_token_ids=[])
+    before = ptrs(gen)
+    with pytest.raises(ValueError, match="batch=2"):
+        gen.generate(PROMPTS, 4)
+    gen.generate(PROMPTS[:2], 4)
+    assert ptrs(gen) == before
+
+
+def test_refused_requests_leave_the_generator_working(model):
+    gen = Generator(model, max_len=24, chunk_size=8, eos_token_ids=[])
+    expected = gen.generate(PROMPTS[0], 6)
+    storage, lens = ptrs(gen), gen.cache.host_lens.copy()
+    bad = [
+        ((list(range(20)), 5), "25 > max_len=24"),  # prompt + new tokens past max_len
+        (([[1, 2], list(range(23))], 2), "row 1"),
+        (([], 4), "non-empty"),
+        (([[1], []], 4), "row 1"),
+        (([1, VOCAB], 4), str(VOCAB)),
+        (([1, -1], 4), "-1"),
+        (([1, 2], 0), "max_new_tokens"),
+        (("hello", 4), "prompt"),
+    ]
+    for (prompt, n), word in bad:
+        with pytest.raises(ValueError, match=word):
+            gen.generate(prompt, n)
+    for kwargs, word in [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"seed": -3}, "seed"),
+    ]:
+        with pytest.raises(ValueError, match=word):
+            gen.generate(PROMPTS[0], 6, **kwargs)
+    assert ptrs(gen) == storage and np.array_equal(gen.cache.host_lens, lens)
+    assert gen.generate(PROMPTS[0], 6) == expected
+
+
+def test_constructor_checks():
+    with pytest.raises(TypeError, match="Llama"):
+        Generator(object(), max_len=8)
+
+
+def test_host_mirror_ends_equal_to_device_lengths(pair):
+    hf, model = pair
+    eos = hf_greedy(hf, PROMPTS[0], 10, eos=None)[2]
+    gen = Generator(model, max_len=48, chunk_size=8, eos_token_ids=[eos], read_every=3)
+    out = gen.generate(PROMPTS, 10)
+    expected = [len(p) + len(o) - 1 for p, o in zip(PROMPTS, out, strict=True)]  # the last token is not fed
+    assert gen.cache.host_lens.tolist() == expected == gen.cache.lens.tolist()
+
+
+class Recording(Generator):
+    """Records every launch (kind, read_len) and checks the read covers every row after the step."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.launches: list[tuple[str, int]] = []
+
+    def _step(self, kind, read_len):
+        fn = super()._step(kind, read_len)
+
+        def run(model, cache, bufs, r):
+            fn(model, cache, bufs, r)
+            self.launches.append((kind, r))
+            if kind.startswith(("prefill", "decode")):
+                assert int(cache.lens.max()) <= r  # test-side read: the generator itself never reads lens
+
+        return run
+
+
+def test_every_launch_goes_through_the_hooks_with_a_covering_read(model):
+    gen = Recording(model, max_len=48, chunk_size=8, eos_token_ids=[])
+    gen.generate(PROMPTS, 5)
+    kinds = [k for k, _ in gen.launches]
+    assert kinds == ["prefill"] * 3 + ["first_greedy"] + ["decode_greedy"] * 4  # 19 tokens: 3 chunks of 8
+    assert [r for _, r in gen.launches] == [8, 16, 19, 0, 20, 21, 22, 23]  # exact in eager mode
+    gen.launches.clear()
+    gen.generate(PROMPTS[1], 3, temperature=1.0, seed=0)
+    assert [k for k, _ in gen.launches] == ["prefill", "first", "decode", "decode"]
+
+
+def test_stream_reads_lazily(model):
+    gen = Generator(model, max_len=48, eos_token_ids=[])
+    expected = gen.generate(PROMPTS[0], 10)
+    it = gen.stream(PROMPTS[0], 10, read_every=4)
+    assert next(it) == expected[0]
+    assert int(gen.bufs.step) == 1  # the first token came back before any decode step was launched
+    assert next(it) == expected[1]
+    assert int(gen.bufs.step) == 5  # tokens 1..4 were read back together, after 4 steps
+    assert [expected[0], expected[1], *it] == expected
+
+
+def test_stream_of_a_batch_yields_pieces_per_row(model):
+    gen = Generator(model, max_len=48, eos_token_ids=[])
+    expected = gen.generate(PROMPTS, 9)
+    pieces = list(gen.stream(PROMPTS, 9, read_every=3))
+    assert [len(p[0]) for p in pieces] == [1, 3, 3, 2]
+    assert [sum((p[b] for p in pieces), []) for b in range(3)] == expected
+
+
+def test_abandoned_stream_leaves_a_usable_generator(model):
+    gen = Generator(model, max_len=48, eos_token_ids=[])
+    expected = gen.generate(PROMPTS[2], 8)
+    it = gen.stream(PROMPTS[0], 20, read_every=2)
+    next(it), next(it)
+    it.close()
+    assert gen.cache.longest() == 0 and int(gen.cache.lens.max()) == 0  # reset, consistently
+    assert gen.generate(PROMPTS[2], 8) == expected
+
+
+def test_stats_describe_the_last_request(model):
+    gen = Generator(model, max_len=48, eos_token_ids=[])
+    gen.generate(PROMPTS, 6)
+    s = gen.stats
+    assert (s.prompt_tokens, s.new_tokens, s.decode_steps) == (28, 18, 5)
+    assert s.prefill_s > 0 and s.decode_s > 0
+    assert "ms per decoded token" in s.summary() and "tokens/s" in s.summary()
+
+
+def test_steps_table_is_what_the_capture_layer_compiles():
+    assert set(STEPS) == {"prefill", "first", "first_greedy", "decode", "decode_greedy"}
+
+
+def test_compiled_greedy_equals_transformers(pair):
+    """compile=True through the capture layer, with dynamo + AOT autograd only (no code generation: fast)."""
+    hf, model = pair
+    torch._dynamo.reset()
+    opts = CaptureOptions(settings=CompileSettings(backend="aot_eager"), warm_up="lazy", progress=False)
+    gen = Generator(model, max_len=40, chunk_size=8, compile=True, eos_token_ids=[], capture=opts)
+    for p in (PROMPTS[0], PROMPTS[2]):  # a second request on the same generator
+        assert gen.generate(p, 8) == hf_greedy(hf, p, 8, eos=None)
+
+
+@pytest.mark.slow
+def test_compiled_greedy_equals_transformers_with_inductor(pair):
+    hf, model = pair
+    torch._dynamo.reset()
+    opts = CaptureOptions(kinds=("prefill", "first_greedy", "decode_greedy"), progress=False)
+    gen = Generator(model, max_len=16, chunk_size=8, compile=True, eos_token_ids=[], capture=opts)
+    for p in (PROMPTS[0], PROMPTS[1]):
+        assert gen.generate(p, 6) == hf_greedy(hf, p, 6, eos=None)
