@@ -63,6 +63,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from static_decode.generator import Generator
     from static_decode.loading import load_model, load_tokenizer
 
+    if args.max_new_tokens < 1:  # checked first: the default max_len is derived from it
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     path = getattr(args, "model", None) or default_model_path()
     if not (path / "config.json").is_file():
         hint = " (the embedded default model is not built yet)" if path == default_model_path() else ""

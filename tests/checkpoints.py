@@ -30,6 +30,7 @@ def hf_llama(
     head_dim: int | None = None,
     eos: int | list[int] | None = None,
     layers: int = 2,
+    vocab: int = VOCAB,
 ):
     """A random transformers LlamaForCausalLM: hidden 64, GQA 8 query / 2 KV heads, weights large enough that
     logits spread over several units (so a 1e-4 agreement is not trivially met by near-zero logits)."""
@@ -37,7 +38,7 @@ def hf_llama(
 
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,
@@ -97,3 +98,22 @@ def hf_logits(model, prompt: list[int]) -> torch.Tensor:
     """[len(prompt), V] float32 logits of transformers' full-sequence forward."""
     with torch.no_grad():
         return model(torch.tensor([prompt])).logits[0].float()
+
+
+def byte_tokenizer():
+    """A `tokenizers` byte-level tokenizer: token id = byte value (vocab 256), decoding back to the text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    # GPT-2's printable stand-ins for the 256 bytes, so that id i is the character of byte i.
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok

@@ -1,0 +1,146 @@
+"""The `static-decode` command line: generate and demo print what the Generator produces plus a timing line.
+
+Pins: --prompt-ids and --prompt (through the checkpoint's tokenizer) give the Generator's tokens; the timing
+summary goes to stderr; user errors exit with status 2 and a message naming the problem, not a traceback;
+`demo` uses the embedded default model; subcommands from other modules register through `add_parser`;
+`python -m static_decode` works.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from static_decode import Generator, cli, load_model
+from tests.checkpoints import byte_tokenizer, hf_llama, save
+
+PROMPT_IDS = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """A checkpoint without a tokenizer."""
+    return save(hf_llama(seed=41, eos=None), tmp_path_factory.mktemp("plain"))
+
+
+@pytest.fixture(scope="module")
+def texty(tmp_path_factory):
+    """A byte-level checkpoint (vocab 256) with tokenizer.json."""
+    path = save(hf_llama(seed=42, vocab=256, eos=None), tmp_path_factory.mktemp("texty"))
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_generate_prompt_ids(plain, capsys):
+    rc, out, err = run(
+        capsys,
+        "generate",
+        "--model",
+        str(plain),
+        "--prompt-ids",
+        "3,1,4,1,5,9,2,6",
+        "--max-new-tokens",
+        "12",
+        "--chunk-size",
+        "4",
+        "--device",
+        "cpu",
+    )
+    assert rc == 0
+    expected = Generator(load_model(plain), max_len=20).generate(PROMPT_IDS, 12)
+    assert out.splitlines() == ["prompt ids: 3,1,4,1,5,9,2,6", "new ids: " + " ".join(map(str, expected))]
+    assert "prefill" in err and "ms per decoded token" in err and "tokens/s" in err
+
+
+def test_generate_text_through_the_tokenizer(texty, capsys):
+    rc, out, _ = run(
+        capsys,
+        "generate",
+        "--model",
+        str(texty),
+        "--prompt",
+        "def f(x):",
+        "--max-new-tokens",
+        "10",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "3",
+        "--read-every",
+        "3",
+    )
+    assert rc == 0
+    tok = byte_tokenizer()
+    ids = Generator(load_model(texty), max_len=19).generate(tok.encode("def f(x):").ids, 10, temperature=0.9, seed=3)
+    assert out == "def f(x):" + tok.decode(ids) + "\n"
+
+
+def test_demo_runs_generate_on_the_embedded_model(texty, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "default_model_path", lambda: texty)
+    rc, out, err = run(capsys, "demo", "--max-new-tokens", "8")
+    assert rc == 0 and out.startswith(cli.DEMO_PROMPT) and "tokens/s" in err
+
+
+@pytest.mark.skipif(not (cli.default_model_path() / "model.safetensors").is_file(), reason="not trained yet")
+def test_demo_with_the_shipped_model(capsys):
+    rc, out, _ = run(capsys, "demo", "--max-new-tokens", "40")
+    assert rc == 0 and out.startswith("def ") and len(out) > 20
+
+
+def test_user_errors_exit_2_with_a_message(plain, tmp_path, capsys):
+    for argv, word in [
+        (["generate", "--model", str(plain), "--prompt", "hi"], "tokenizer.json"),
+        (["generate", "--model", str(tmp_path / "none"), "--prompt-ids", "1"], "no checkpoint"),
+        (["generate", "--model", str(plain)], "--prompt"),
+        (["generate", "--model", str(plain), "--prompt-ids", "1", "--max-new-tokens", "0"], "max-new-tokens"),
+        (["generate", "--model", str(plain), "--prompt-ids", "1,2", "--max-len", "3"], "max_len=3"),
+        (["generate", "--model", str(plain), "--prompt-ids", "1", "--dtype", "float8"], "float8"),
+        (["generate", "--model", str(plain), "--prompt-ids", "1", "--top-p", "1.5"], "top_p"),
+    ]:
+        rc, _, err = run(capsys, *argv)
+        assert rc == 2 and word in err and "Traceback" not in err, (argv, err)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["generate", "--prompt-ids", "1,x"])
+    assert info.value.code == 2 and "comma-separated" in capsys.readouterr().err
+
+
+def test_compile_flag_is_boolean_optional():
+    parser = cli.build_parser()
+    assert parser.parse_args(["generate", "--compile"]).compile is True
+    assert parser.parse_args(["generate", "--no-compile"]).compile is False
+    assert parser.parse_args(["demo"]).compile is False
+
+
+def test_other_modules_register_subcommands(monkeypatch, capsys):
+    plugin = types.ModuleType("fake_plugin")
+
+    def add_parser(subparsers):
+        p = subparsers.add_parser("hello", help="say hello")
+        p.add_argument("--name", default="world")
+        p.set_defaults(run=lambda args: print(f"hello {args.name}") or 0)
+
+    plugin.add_parser = add_parser
+    monkeypatch.setitem(sys.modules, "fake_plugin", plugin)
+    monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "fake_plugin", "no_such_module_yet"))
+    assert run(capsys, "hello", "--name", "you")[:2] == (0, "hello you\n")
+
+
+def test_python_dash_m():
+    done = subprocess.run(
+        [sys.executable, "-m", "static_decode", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],  # the checkout, installed or not
+        check=False,
+    )
+    assert done.returncode == 0 and "generate" in done.stdout and "demo" in done.stdout
