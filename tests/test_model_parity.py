@@ -3,7 +3,8 @@
 Pins: RoPE positions taken from the device lengths (a chunk appended after cached tokens must rotate at
 lens + t, not at t), Llama 3 frequency scaling, GQA head mapping (query head h reads KV head h // G), tied and
 untied LM heads, padded slots of a chunk not leaking into real ones, ragged rows fed together, and greedy
-decoding equal to transformers' generate token for token.
+decoding equal to transformers' generate token for token. Also: the checked `forward` refuses a bad call
+(foreign cache, bad ids, overflow, short read length) before writing anything.
 """
 
 from __future__ import annotations
@@ -106,3 +107,37 @@ def test_greedy_stops_at_eos_like_transformers(tmp_path):
     assert expected[-1] == eos and len(expected) < 16
     ours = load_model(save(hf, tmp_path))
     assert Generator(ours, max_len=40, chunk_size=4, eos_token_ids=[eos]).generate(seq, 16) == expected
+
+
+def test_sdpa_attention_gives_the_same_logits(pair):
+    hf, ours = pair
+    seq = prompt(30, 7)
+    ours.attn_impl = "sdpa"
+    try:
+        (got,) = feed(ours, [seq], 7)
+    finally:
+        ours.attn_impl = "matmul"
+    torch.testing.assert_close(got, hf_logits(hf, seq), atol=TOL, rtol=0)
+
+
+def test_checked_forward_refuses_before_writing(pair):
+    _, ours = pair
+    cache = ours.new_cache(2, 16)
+    ours(torch.tensor([[1, 2, 3], [4, 5, 6]]), cache, [3, 1])
+    k, lens = cache.k.clone(), cache.host_lens.copy()
+    other = ours.new_cache(2, 16).to(torch.float64)  # wrong dtype: not this model's cache
+    bad = [
+        ((torch.tensor([[1, 2], [3, 4]]), other, [1, 1]), "new_cache"),
+        ((torch.tensor([[1, 2], [3, VOCAB]]), cache, [2, 2]), f"0..{VOCAB - 1}"),
+        ((torch.tensor([[1, 2], [3, 4]]).int(), cache, [2, 2]), "int64"),
+        ((torch.tensor([[1, 2]]), cache, [2]), "batch"),
+        ((torch.tensor([[1, 2], [3, 4]]), cache, [3, 2]), "n_new"),
+        ((torch.zeros(2, 14, dtype=torch.int64), cache, [14, 14]), "overflow"),
+    ]
+    for args, word in bad:
+        with pytest.raises((ValueError, TypeError), match=word):
+            ours(*args)
+    with pytest.raises(ValueError, match="read_len=3"):
+        ours(torch.tensor([[1], [2]]), cache, [1, 1], read_len=3)  # row 0 would hold 4 tokens
+    assert torch.equal(cache.k, k) and np.array_equal(cache.host_lens, lens)
+    assert cache.lens.tolist() == lens.tolist()
