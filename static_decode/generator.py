@@ -332,8 +332,10 @@ class Generator:
         finished = np.zeros(R, dtype=bool)
         complete = False
         try:
-            self._prefill(rows)
-            self._step("first_greedy" if greedy else "first", 0)(model, cache, bufs, 0)
+            # Grad mode is set per launch, never held across a yield (it is thread-global state of the caller).
+            with torch.no_grad():
+                self._prefill(rows)
+                self._step("first_greedy" if greedy else "first", 0)(model, cache, bufs, 0)
             longest = int(cache.host_lens.max())  # exact now; an upper bound from here on
             read_from, steps = 0, 0
             kind = "decode_greedy" if greedy else "decode"
@@ -348,7 +350,8 @@ class Generator:
                         break
                 steps += 1
                 read_len = self._read_len(longest + steps)
-                self._step(kind, read_len)(model, cache, bufs, read_len)
+                with torch.no_grad():
+                    self._step(kind, read_len)(model, cache, bufs, read_len)
             t2 = time.perf_counter()
             # Each emitted token except a row's last was fed back: that is how far the device lengths moved.
             cache.commit(np.concatenate([emitted - 1, np.zeros(cache.batch - R, dtype=np.int64)]))

@@ -213,3 +213,15 @@ def test_compiled_greedy_equals_transformers_with_inductor(pair):
     gen = Generator(model, max_len=16, chunk_size=8, compile=True, eos_token_ids=[], capture=opts)
     for p in (PROMPTS[0], PROMPTS[1]):
         assert gen.generate(p, 6) == hf_greedy(hf, p, 6, eos=None)
+
+
+def test_a_trainable_model_builds_no_autograd_graph(model):
+    from static_decode import Llama
+
+    fresh = Llama(model.config)  # parameters require grad, unlike a loaded model's
+    gen = Generator(fresh, max_len=32, eos_token_ids=[])
+    it = gen.stream(PROMPTS[0], 6, read_every=2)
+    next(it)
+    assert torch.is_grad_enabled()  # the caller's grad mode between yields is untouched
+    list(it)
+    assert gen.cache.k.grad_fn is None and not gen.cache.k.requires_grad
