@@ -19,15 +19,18 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from capture import BucketLadder, CaptureOptions, StepRegistry, preserving
 from static_decode import sampling
 from static_decode.cache import StaticKVCache
 from static_decode.model import Llama
 from static_decode.steps import PAD, STEPS, StepBuffers, StepFn
+
+if TYPE_CHECKING:  # capture pulls in torch._dynamo (seconds of import): loaded only when compiling
+    from capture import CaptureOptions, StepRegistry
 
 DEFAULT_CHUNK_SIZE = 64  # prompt slots per prefill step
 DEFAULT_READ_EVERY = 16  # decode steps between read-backs of the emitted tokens
@@ -95,9 +98,13 @@ class Generator:
         self.chunk_size = _int("chunk_size", chunk_size, 1)
         self.read_every = _int("read_every", read_every, 1)
         self.compile = bool(compile)
-        self.capture = CaptureOptions() if capture is None else capture  # compile=True: buckets, warm-up
-        if not isinstance(self.capture, CaptureOptions):
-            raise TypeError(f"capture must be a capture.CaptureOptions, got {type(capture).__name__}")
+        self.capture: CaptureOptions | None = None  # compile=True: buckets, warm-up
+        if self.compile or capture is not None:
+            from capture import CaptureOptions
+
+            self.capture = CaptureOptions() if capture is None else capture
+            if not isinstance(self.capture, CaptureOptions):
+                raise TypeError(f"capture must be a capture.CaptureOptions, got {type(capture).__name__}")
         self._registry: StepRegistry | None = None
         self.fixed_batch = None if batch is None else _int("batch", batch, 1)
         eos = model.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
@@ -127,6 +134,8 @@ class Generator:
 
     def _capture_steps(self) -> None:
         """compile=True: compile the steps over this cache and these buffers, one graph per (kind, bucket)."""
+        from capture import BucketLadder, StepRegistry, preserving
+
         cache, bufs, opts = self.cache, self.bufs, self.capture
         live = [cache.lens, *bufs.tensors().values()]
 
