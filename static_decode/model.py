@@ -176,7 +176,7 @@ class Llama(nn.Module):
         """The step up to (and including) the final norm: [B, T, D]. Writes K/V and advances the lengths."""
         T = tokens.shape[1]
         positions = cache.lens[:, None] + torch.arange(T, device=tokens.device)  # [B, T] old lens + slot
-        cos, sin = rope.cos_sin(self.inv_freq, positions, self.dtype)  # [B, 1, T, d]
+        cos, sin = rope.cos_sin(self.inv_freq, positions, self.dtype)  # [B, 1, T, d/2]
         lens_after = cache.lens + n_new  # [B]
         x = self.embed_tokens(tokens)  # [B, T, D]
         for i, block in enumerate(self.layers):

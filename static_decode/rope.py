@@ -38,14 +38,23 @@ def inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | str | None 
 def cos_sin(
     freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [B, 1, T, d] for integer positions [B, T], computed in float32 then cast to `dtype`."""
+    """cos and sin [B, 1, T, d/2] for integer positions [B, T], computed in float32 then cast to `dtype`.
+
+    Half width: both halves of a head use the same angles (rotate_half pairing), so `apply` uses them twice.
+    """
     angles = positions[..., None].to(torch.float32) * freq  # [B, T, d/2]
-    angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, d]: halves, as in rotate_half
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]  # [B, 1, T, d/2] each
 
 
 def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, T, d] by the angles: x * cos + rotate_half(x) * sin (half-split pairing)."""
+    """Rotate x [B, H, T, d] by the angles: x * cos + rotate_half(x) * sin (half-split pairing).
+
+    Written half by half into one output (no concatenation): the same elementwise operations, in the same
+    dtype and order, as transformers' x * cos + rotate_half(x) * sin, so results agree bit for bit.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [B, H, T, d]
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]  # [B, H, T, d/2] each
+    out = torch.empty_like(x)  # [B, H, T, d]
+    out[..., :half] = x1 * cos + (-x2) * sin
+    out[..., half:] = x2 * cos + x1 * sin
+    return out
