@@ -7,10 +7,12 @@ graph; on CUDA with mode="reduce-overhead" each graph is a CUDA graph.
 
 What the registry takes care of:
 
-* static addresses: under CUDA graphs, every tensor a step mutates (the cache, the step buffers) is given to
-  `torch._dynamo.mark_static_address`, or reduce-overhead would skip the graph (counted as a cudagraph skip).
-  Registered buffers of an nn.Module are static by default only when the module's own forward is compiled;
-  the steps are plain functions taking the cache as an argument, so the registry marks them explicitly.
+* static addresses: under CUDA graphs, every tensor a step mutates must have a static address, or
+  reduce-overhead skips the graph (a "cudagraph skip: mutated inputs"). Dynamo (torch 2.13, read in
+  torch/_dynamo/variables/builder.py) marks the parameters and buffers of an nn.Module static on its own, also
+  for a module passed as an argument (the cache), but not plain tensors such as a dataclass of step buffers;
+  so the registry calls `torch._dynamo.mark_static_address` on every tensor it is given (cache included, for
+  older torch). The GPU tests check `cudagraph_skips == 0`.
 * the recompile limit: kinds x buckets graphs must fit under dynamo's limit (set on each compile where torch
   supports it, otherwise raised process-wide);
 * warm-up: `warm_up()` runs every pair (three calls each under CUDA graphs: warm-up, record, replay),
@@ -152,10 +154,6 @@ class StepRegistry:
         if pair not in self.records:
             return lambda *a: self._first_call(pair, a)
         return self._runners[kind]
-
-    def run(self, kind: str, read_len: int) -> Any:
-        """Run step `kind` at bucket `read_len` on this registry's arguments."""
-        return self.step(kind, read_len)(*self.args, read_len)
 
     def _runner(self, kind: str) -> Callable[..., Any]:
         """The per-call wrapper: no_grad (one grad mode for every call, so no guard ever fails on it), the
