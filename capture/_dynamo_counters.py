@@ -127,5 +127,9 @@ def error_on_recompile() -> Iterator[None]:
 
 
 def mark_static_address(t: torch.Tensor) -> None:
-    """Tell dynamo/inductor this tensor keeps its address for the program's life (CUDA-graph input)."""
-    torch._dynamo.mark_static_address(t)
+    """Tell dynamo/inductor this tensor keeps its address for the program's life (CUDA-graph input).
+
+    guard=True: the graph is also guarded on this very tensor, so another Generator's buffers of the same shape
+    get their own graph rather than a replay of one captured over someone else's addresses.
+    """
+    torch._dynamo.mark_static_address(t, guard=True)
