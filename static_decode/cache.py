@@ -165,11 +165,21 @@ class StaticKVCache(torch.nn.Module):
         it for every layer before `advance`.
         """
         B, H, T, d = k_new.shape
-        t = torch.arange(T, device=n_new.device)  # [T]
+        dev = n_new.device
+        t = torch.arange(T, device=dev)  # [T]
         pos = torch.where(t < n_new[:, None], self.lens[:, None] + t, self.max_len)  # [B, T]
-        index = pos[:, None, :, None].expand(B, H, T, d)  # [B, Hkv, T, d]
-        self.k[layer].scatter_(2, index, k_new)
-        self.v[layer].scatter_(2, index, v_new)
+        # index_put_ on the whole buffer, not scatter_ on the view k[layer]: inductor cannot reinplace a
+        # mutation of a view of a graph input, so the compiled step copied the entire K/V buffer (all layers,
+        # all of max_len) once per layer per step (~9x slower decode at max_len 2048; profiles/RESULTS.md,
+        # "Decode benchmark"). This form is reinplaced: only the new slots are written.
+        index = (
+            torch.full((), layer, dtype=torch.int64, device=dev),
+            torch.arange(B, device=dev)[:, None, None],  # [B, 1, 1]
+            torch.arange(H, device=dev)[None, :, None],  # [1, Hkv, 1]
+            pos[:, None, :],  # [B, 1, T]
+        )  # broadcasts to [B, Hkv, T], the leading dims of k_new
+        self.k.index_put_(index, k_new)
+        self.v.index_put_(index, v_new)
 
     def advance(self, n_new: torch.Tensor) -> None:
         """lens += n_new on the device (once per step, after every layer is written)."""
