@@ -62,18 +62,59 @@ def machine() -> dict[str, object]:
     return info
 
 
+def cpu_idle_fraction(window_s: float = 0.1) -> float:
+    """Fraction of all CPUs idle over the next window_s (from /proc/stat; 1.0 where unavailable)."""
+
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+        return vals[3] + vals[4], sum(vals)  # idle + iowait, total
+
+    try:
+        i0, t0 = read()
+        time.sleep(window_s)
+        i1, t1 = read()
+    except OSError:
+        return 1.0
+    return (i1 - i0) / max(1, t1 - t0)
+
+
+# Shared machines: with --wait-idle, each timed call first waits (up to WAIT_IDLE_S) for a moment when the other
+# users leave the CPUs idle, so that a 2-thread run is not timing the scheduler. Counted in IDLE_STATS.
+WAIT_IDLE_S = 0.0
+IDLE_STATS = {"calls": 0, "gave_up": 0}
+
+
+def _wait_idle(threshold: float = 0.9) -> None:
+    if WAIT_IDLE_S <= 0:
+        return
+    IDLE_STATS["calls"] += 1
+    deadline = time.monotonic() + WAIT_IDLE_S
+    while cpu_idle_fraction() < threshold:
+        if time.monotonic() > deadline:
+            IDLE_STATS["gave_up"] += 1
+            return
+
+
 def _timings(
-    fn: Callable[[], object], repeats: int, *, flush: torch.Tensor | None, device: torch.device
+    fn: Callable[[], object],
+    repeats: int,
+    *,
+    flush: torch.Tensor | None,
+    device: torch.device,
+    warm_up: bool = True,
 ) -> list[float]:
     """Seconds per call of fn, `repeats` times after one warm-up; each call after a cache flush if given."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
+    if warm_up:
+        fn()
+        sync()
     out = []
     for _ in range(repeats):
         if flush is not None:
             flush.add_(1)
         sync()
+        _wait_idle()
         t0 = time.perf_counter()
         fn()
         sync()
@@ -95,7 +136,7 @@ def live_kv_bytes(read_len: int, dtype: torch.dtype, kv_heads: int = HKV, head_d
 
 
 def time_attention(
-    impl: str,
+    impls: tuple[str, ...],
     length: int,
     *,
     slots: int = 1,
@@ -104,11 +145,12 @@ def time_attention(
     repeats: int = 7,
     compiled: bool = False,
     flush: bool = True,
-) -> dict[str, float]:
-    """Time one layer's attention of `slots` new queries at live length `length` (cache + chunk).
+) -> dict[str, dict[str, float]]:
+    """Time one layer's attention of `slots` new queries at live length `length` (cache + chunk), per impl.
 
-    Returns {"best_ms", "median_ms"}. The cache is filled with random K/V; the new slots are the last
-    `slots` positions (decode: slots=1).
+    Returns {impl: {"best_ms", "median_ms"}}. The impls take turns call by call (impl 1, impl 2, ..., impl 1,
+    ...), so a neighbour's burst of load on a shared machine hits all of them alike. The cache is filled with
+    random K/V; the new slots are the last `slots` positions (decode: slots=1).
     """
     device = torch.device(device)
     if not 1 <= slots <= length:
@@ -127,8 +169,14 @@ def time_attention(
     if compiled:
         fn = torch.compile(grouped_attention, dynamic=False, fullgraph=True)
     scratch = torch.zeros(_SCRATCH_BYTES // 4, device=device) if flush else None
-    times = _timings(lambda: fn(q, k, v, lens, n_new, impl=impl), repeats, flush=scratch, device=device)
-    return {"best_ms": 1e3 * min(times), "median_ms": 1e3 * statistics.median(times)}
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    for impl in impls:  # warm-up (and compile) each once
+        _timings(lambda impl=impl: fn(q, k, v, lens, n_new, impl=impl), 0, flush=None, device=device)
+    for _ in range(repeats):
+        for impl in impls:
+            call = lambda impl=impl: fn(q, k, v, lens, n_new, impl=impl)  # noqa: E731
+            times[impl] += _timings(call, 1, flush=scratch, device=device, warm_up=False)
+    return {impl: {"best_ms": 1e3 * min(t), "median_ms": 1e3 * statistics.median(t)} for impl, t in times.items()}
 
 
 def attention_rows(
@@ -144,7 +192,7 @@ def attention_rows(
     bandwidth_gbps: float | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, object]]:
-    """Rows {"impl", "length", "slots", "ms", "median_ms", "gbps", "bandwidth_fraction"} for the bench JSON.
+    """Rows {"impl", "length", "slots", "ms", "median_ms", "gbps", "bandwidth_fraction", "gflops"} (bench JSON).
 
     Decode (slots=1) at each length; with `cached`, one chunk of `slots` after `cached` tokens instead
     (length = cached + slots). ms is the best of `repeats`; gbps counts live K/V bytes only.
@@ -153,14 +201,15 @@ def attention_rows(
         bandwidth_gbps = read_bandwidth(device=device)
     todo = [cached + slots] if cached is not None else list(lengths)
     rows = []
-    for impl in impls:
-        for length in todo:
-            if progress:
-                progress(f"{impl}{' compiled' if compiled else ''} L={length} T={slots}")
-            t = time_attention(
-                impl, length, slots=slots, dtype=dtype, device=device, repeats=repeats, compiled=compiled
-            )
+    for length in todo:
+        if progress:
+            progress(f"{','.join(impls)}{' compiled' if compiled else ''} L={length} T={slots}")
+        timed = time_attention(
+            impls, length, slots=slots, dtype=dtype, device=device, repeats=repeats, compiled=compiled
+        )
+        for impl, t in timed.items():
             gbps = live_kv_bytes(length, dtype) / (t["best_ms"] / 1e3) / 1e9
+            flops = 4 * HQ * slots * length * HEAD_DIM  # QK^T and PV over every (slot, key) pair, masked or not
             rows.append(
                 {
                     "impl": impl + ("+compile" if compiled else ""),
@@ -171,8 +220,11 @@ def attention_rows(
                     "median_ms": round(t["median_ms"], 4),
                     "gbps": round(gbps, 3),
                     "bandwidth_fraction": round(gbps / bandwidth_gbps, 3),
+                    "gflops": round(flops / (t["best_ms"] / 1e3) / 1e9, 2),
                 }
             )
+    order = {impl: n for n, impl in enumerate(impls)}
+    rows.sort(key=lambda r: (order[str(r["impl"]).removesuffix("+compile")], r["length"]))
     return rows
 
 
@@ -214,13 +266,13 @@ def markdown(rows: list[dict[str, object]], bandwidth_gbps: float) -> str:
     lines = [
         f"read bandwidth (float32 sum over 1 GiB, best of 5): {bandwidth_gbps:.1f} GB/s",
         "",
-        "| impl | dtype | T | live length | ms (best) | ms (median) | GB/s of live K/V | fraction of read bw |",
-        "|---|---|---|---|---|---|---|---|",
+        "| impl | dtype | T | live length | ms (best) | ms (median) | GB/s live K/V | fraction of read bw | GFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['impl']} | {r['dtype']} | {r['slots']} | {r['length']} | {r['ms']:.2f} | {r['median_ms']:.2f} "
-            f"| {r['gbps']:.1f} | {r['bandwidth_fraction']:.2f} |"
+            f"| {r['gbps']:.1f} | {r['bandwidth_fraction']:.2f} | {r['gflops']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -236,6 +288,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(grouped_attention)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="before each timed call wait up to S seconds for the CPUs to be >= 90%% idle (shared machines)",
+    )
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--json", metavar="PATH", help="write {machine, read_bandwidth_gbps, attention: rows}")
     parser.add_argument(
@@ -247,6 +306,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    global WAIT_IDLE_S
+    WAIT_IDLE_S = args.wait_idle
     impls = tuple(args.impls.split(","))
     bad = [i for i in impls if i not in IMPLS]
     if bad:
@@ -278,12 +339,14 @@ def main() -> None:
             bandwidth_gbps=bw,
             progress=lambda s: print(f"# {s}", flush=True),
         )
-        if not args.markdown:
-            for r in rows[-len(impls) * (1 if args.cached is not None else len(lengths)) :]:
-                print(r, flush=True)
+    if not args.markdown:
+        for r in rows:
+            print(r, flush=True)
     info["load_1min_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    if WAIT_IDLE_S > 0:
+        info["idle_waits"] = dict(IDLE_STATS)
     if args.markdown:
-        print(f"# machine after: load {info['load_1min_after']}\n")
+        print(f"# machine after: load {info['load_1min_after']}, idle waits {info.get('idle_waits')}\n")
         print(markdown(rows, bw))
     if args.json:
         with open(args.json, "w") as f:

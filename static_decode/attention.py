@@ -7,12 +7,18 @@ Slot t of row b sits at absolute position lens[b] - n_new[b] + t (lens counts th
 sees keys 0..that position. Slots t >= n_new[b] return exact zeros. The mask is built from the lengths, not
 as a T x T triangle, so a chunk appended after cached tokens sees those tokens too.
 
-Two formulations (measured in profiles/attention_cpu.md, see there for the numbers):
+Four formulations, all reading K and V in place (no copy, no KV repeat; checked by
+`profiles/attention_bench.py --trace`). Numbers in profiles/attention_cpu.md:
 
-* "matmul": the group folded into the query axis, [B, Hkv, G*T, d] @ [B, Hkv, d, S], so every KV head is
-  read once by one batched GEMM; masked softmax of our own. The default: fastest on the CPU here.
-* "sdpa": `F.scaled_dot_product_attention(..., attn_mask=..., enable_gqa=True)`, padded slots (whose mask
-  row is empty, so SDPA may return NaN there) replaced by zeros.
+* "sdpa_folded" (default): the group folded into the query axis, [B, Hkv, G*T, d], and one
+  `F.scaled_dot_product_attention` call with the [B, 1, G*T, S] mask; padded slots (empty mask rows, NaN in
+  SDPA) replaced by zeros. Ties "matmul" at decode on the 2-core CPU here and is 1.6-2.2x faster for prefill
+  chunks (the fused kernel keeps the scores in cache blocks instead of materialising [G*T, S] per head), and
+  2.4x faster with bfloat16 K/V. One kernel per call, so it also degrades least when the cores are shared.
+* "matmul": keys-major scores, K [S, d] @ Q^T [d, G*T], so the GEMM streams K's rows in memory order; a
+  masked softmax of our own over the key axis; then P^T @ V.
+* "matmul_qk": the query-major variant, Q [G*T, d] @ K^T (a transposed view): 5-10% slower at decode here.
+* "sdpa": SDPA with `enable_gqa=True` on the unfolded [B, Hq, T, d] queries: 2.5-3x slower at decode on CPU.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ import torch.nn.functional as F
 
 from static_decode.cache import IntsLike, StaticKVCache, host_ints
 
-IMPLS = ("matmul", "sdpa")
-DEFAULT_IMPL = "matmul"
+IMPLS = ("matmul", "sdpa", "matmul_qk", "sdpa_folded")
+DEFAULT_IMPL = "sdpa_folded"  # measured: profiles/attention_cpu.md
 
 
 def chunk_mask(lens: torch.Tensor, n_new: torch.Tensor, slots: int, keys: int) -> torch.Tensor:
@@ -37,25 +43,60 @@ def chunk_mask(lens: torch.Tensor, n_new: torch.Tensor, slots: int, keys: int) -
     return (s <= pos[:, :, None]) & real[:, :, None]  # [B, T, S]
 
 
+def _masked_softmax_(scores: torch.Tensor, visible: torch.Tensor, dim: int, scale: float) -> torch.Tensor:
+    """softmax(scale * scores) over `dim` where `visible`, 0 elsewhere, in place on the fresh `scores`.
+
+    A fully masked slot has max -inf; it is shifted by the finite dtype minimum instead, so exp(-inf) gives 0
+    weights (and the clamped denominator a 0 row), never NaN.
+    """
+    scores.mul_(scale).masked_fill_(~visible, -math.inf)
+    top = scores.amax(dim=dim, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)
+    scores.sub_(top).exp_()
+    return scores.div_(scores.sum(dim=dim, keepdim=True).clamp_(min=torch.finfo(scores.dtype).tiny))
+
+
 def _matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # Keys-major scores: K [S, d] @ Q^T [d, G*T] streams K's rows in memory order, which the BLAS GEMM turns
+    # into a sequential read; Q @ K^T (query-major, "matmul_qk") reads the same bytes 1.2-2x slower from DRAM
+    # here (profiles/attention_cpu.md).
     B, Hq, T, d = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
     qf = q.reshape(B, Hkv, G * T, d)  # [B, Hkv, G*T, d]: a group's queries share one KV head
-    scores = torch.matmul(qf, k.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # [B, Hkv, G*T, S]
-    scores = scores.view(B, Hkv, G, T, S).masked_fill(~mask[:, None, None], -math.inf)  # [B, Hkv, G, T, S]
-    # A fully masked slot has max -inf; shift by 0 instead so exp(-inf) gives 0 weights, not NaN.
-    top = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).min)
-    p = torch.exp(scores - top)  # [B, Hkv, G, T, S]
-    denom = p.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).tiny)
-    p = (p / denom).view(B, Hkv, G * T, S)
-    return torch.matmul(p, v).view(B, Hq, T, d)  # [B, Hq, T, d]
+    scores = torch.matmul(k, qf.transpose(-1, -2))  # [B, Hkv, S, G*T]; K^T never materialised
+    visible = mask.transpose(-1, -2)[:, None, :, None, :]  # [B, 1, S, 1, T]
+    _masked_softmax_(scores.view(B, Hkv, S, G, T), visible, dim=2, scale=1.0 / math.sqrt(d))
+    return torch.matmul(scores.transpose(-1, -2), v).view(B, Hq, T, d)  # [B, Hkv, G*T, S] @ [B, Hkv, S, d]
+
+
+def _matmul_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    B, Hq, T, d = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    qf = q.reshape(B, Hkv, G * T, d)  # [B, Hkv, G*T, d]
+    scores = torch.matmul(qf, k.transpose(-1, -2))  # [B, Hkv, G*T, S]: K^T as a transposed view
+    _masked_softmax_(scores.view(B, Hkv, G, T, S), mask[:, None, None], dim=-1, scale=1.0 / math.sqrt(d))
+    return torch.matmul(scores, v).view(B, Hq, T, d)  # [B, Hq, T, d]
+
+
+def _sdpa_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    B, Hq, T, d = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    qf = q.reshape(B, Hkv, G * T, d)  # [B, Hkv, G*T, d]: the group folded into the query axis, no enable_gqa
+    m = mask[:, None, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)  # the mask (bools) per folded row
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=m).view(B, Hkv, G, T, d)
+    real = mask.any(dim=-1)[:, None, None, :, None]  # [B, 1, 1, T, 1]
+    return torch.where(real, out, torch.zeros((), dtype=out.dtype, device=out.device)).view(B, Hq, T, d)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)  # [B, Hq, T, d]
     real = mask.any(dim=-1)[:, None, :, None]  # [B, 1, T, 1]
     return torch.where(real, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+_IMPL_FNS = {"matmul": _matmul, "sdpa": _sdpa, "matmul_qk": _matmul_qk, "sdpa_folded": _sdpa_folded}
 
 
 def grouped_attention(
@@ -76,9 +117,7 @@ def grouped_attention(
     if k.shape[2] == 0:  # nothing cached in any row (a static shape, so this branch is fine under compile)
         return torch.zeros_like(q)
     mask = chunk_mask(lens, n_new, q.shape[2], k.shape[2])  # [B, T, S]
-    if impl == "matmul":
-        return _matmul(q, k, v, mask)
-    return _sdpa(q, k, v, mask)
+    return _IMPL_FNS[impl](q, k, v, mask)
 
 
 def gqa_attention(

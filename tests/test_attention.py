@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from static_decode import StaticKVCache, gqa_attention
-from static_decode.attention import IMPLS, chunk_mask
+from static_decode.attention import DEFAULT_IMPL, IMPLS, chunk_mask
 from static_decode.reference import attention_direct, attention_vectorised
 from tests.chunked import new_pair, schedule, to_torch
 
@@ -43,9 +43,9 @@ def run_trial(rng: np.random.Generator, impl: str, dtype: torch.dtype, atol: flo
     return calls
 
 
-@pytest.mark.parametrize(("impl", "trials"), [("matmul", 300), ("sdpa", 100)])
+@pytest.mark.parametrize(("impl", "trials"), [(DEFAULT_IMPL, 300)] + [(i, 100) for i in IMPLS if i != DEFAULT_IMPL])
 def test_float64_matches_references(impl: str, trials: int) -> None:
-    """The default impl over 300 random chunked trials, the alternative over 100."""
+    """The default impl over 300 random chunked trials, each alternative over 100."""
     rng = np.random.default_rng(7)
     calls = sum(run_trial(rng, impl, torch.float64, atol=1e-10) for _ in range(trials))
     assert calls > trials
@@ -58,7 +58,7 @@ def test_low_precision_against_float64(dtype: torch.dtype, atol: float, rtol: fl
     bfloat16 keeps 8 mantissa bits: logits near 8 round by ~0.03, so softmax weights move by ~3%."""
     rng = np.random.default_rng(11)
     for _ in range(40):
-        run_trial(rng, "matmul", dtype, atol=atol, rtol=rtol)
+        run_trial(rng, DEFAULT_IMPL, dtype, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
