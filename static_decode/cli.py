@@ -17,7 +17,7 @@ from pathlib import Path
 
 from static_decode.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY
 
-COMMAND_MODULES: tuple[str, ...] = ("static_decode.cli", "capture.report")
+COMMAND_MODULES: tuple[str, ...] = ("static_decode.cli", "capture.report", "static_decode.bench")
 DEMO_PROMPT = "def "
 
 
@@ -54,6 +54,20 @@ def add_generation_arguments(p: argparse.ArgumentParser, *, demo: bool = False) 
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="compile the steps")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler Chrome trace of the run here")
+
+
+def _start_profiler(path: Path | None):  # -> torch.profiler.profile | None
+    """A running torch.profiler (CPU, and CUDA when present) when `path` is given."""
+    if path is None:
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities, record_shapes=True)
+    prof.start()
+    return prof
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -99,6 +113,7 @@ def run_generate(args: argparse.Namespace) -> int:
         read_every=args.read_every,
     )
     out = sys.stdout
+    prof = _start_profiler(getattr(args, "profile", None))  # the stream is lazy: prefill runs in the loop below
     if tokenizer is None:
         out.write(f"prompt ids: {','.join(map(str, prompt))}\nnew ids:")
         for t in tokens:
@@ -118,6 +133,10 @@ def run_generate(args: argparse.Namespace) -> int:
         out.write(tokenizer.decode(ids)[len(shown) :])
     out.write("\n")
     out.flush()
+    if prof is not None:
+        prof.stop()
+        prof.export_chrome_trace(str(args.profile))
+        print(f"torch.profiler Chrome trace: {args.profile}", file=sys.stderr)
     print(gen.stats.summary(), file=sys.stderr)
     return 0
 

@@ -1,0 +1,307 @@
+"""`static-decode bench`: per-token decode latency and prefill time of every system, side by side, in one run.
+
+Same model, machine and prompt for every system (static_decode.bench_systems). At each live context L of the
+sweep (fixed max_len) a request prefills the first L tokens of the prompt and emits `steps + 1` greedy tokens
+(EOS disabled, so every request does the same work):
+
+    prefill_s = wall time of system.start (reset, prefill, first token back on the host)
+    decode_s  = wall time of system.finish (the `steps` decode steps, every token back on the host)
+
+Both end at a read-back, so they hold the device work and the host overhead (the Generator's read-back every
+`read_every` steps included). ms_per_token = decode_s / steps of one request (the mean over its steps); the
+table reports the median over `repeats` requests after `warmup` requests, and the JSON also the best. Systems
+take turns request by request (system 1, 2, ..., 1, 2, ...), so a burst of load from a neighbour on a shared
+machine hits all of them alike. Every system's tokens are compared with `static-decode`'s.
+
+With profiles/ present (a source checkout) the run also times decode attention alone at Llama-3.1-8B head
+shape against the machine's read bandwidth (profiles/attention_bench.py) for the JSON's "attention" rows.
+Tables, the plot and the targets live in static_decode.bench_report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from static_decode import ranges
+from static_decode.bench_systems import SYSTEMS, System, build, load_profiles_module
+
+DEFAULT_CONTEXTS = (128, 512, 1024, 1920)  # max_len / 16 = 128 included
+ATTENTION_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+QUICK = {"contexts": (128, 1024), "steps": 32, "repeats": 3, "attention_lengths": (2048, 8192, 32768)}
+PROFILE_STEPS = 8
+
+
+@dataclass
+class BenchConfig:
+    """One bench run. `settings` (a capture.CompileSettings) overrides the device default (tests: "eager")."""
+
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
+    max_len: int = 2048
+    steps: int = 64  # timed decode steps per request
+    repeats: int = 5  # timed requests per (system, context)
+    warmup: int = 1  # untimed requests per (system, context) first
+    systems: tuple[str, ...] = SYSTEMS
+    model: Path | None = None  # None: the embedded default model
+    threads: int | None = None  # torch intra-op threads; None: every core
+    device: str | None = None
+    dtype: str | None = None
+    attention_lengths: tuple[int, ...] | None = ATTENTION_LENGTHS  # None: no attention rows
+    transformers_compile: bool = True
+    settings: Any = None
+    progress: bool = True
+    profile: Path | None = None  # torch.profiler Chrome trace of PROFILE_STEPS decode steps of the first system
+
+    def __post_init__(self) -> None:
+        for name in ("max_len", "steps", "repeats"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.warmup < 0 or (self.threads is not None and self.threads < 1):
+            raise ValueError(f"warmup must be >= 0 and threads >= 1, got {self.warmup!r}, {self.threads!r}")
+        if not self.contexts:
+            raise ValueError("contexts is empty")
+        for c in self.contexts:
+            if not 1 <= c <= self.max_len - self.steps - 1:
+                raise ValueError(
+                    f"context {c} does not fit: a request holds context + steps + 1 = {c + self.steps + 1} "
+                    f"tokens, max_len is {self.max_len} (and a context needs at least 1 token)"
+                )
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if unknown or not self.systems or len(set(self.systems)) != len(self.systems):
+            raise ValueError(f"systems must be distinct names from {', '.join(SYSTEMS)}, got {self.systems}")
+
+
+@dataclass
+class Timing:
+    """Timed requests of one system at one context."""
+
+    steps: int
+    prefill_s: list[float] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the new tokens of the first timed request
+
+    def ms_per_token(self, reduce: Callable[[list[float]], float] = statistics.median) -> float:
+        return 1e3 * reduce([d / self.steps for d in self.decode_s])
+
+    def prefill_ms(self, reduce: Callable[[list[float]], float] = statistics.median) -> float:
+        return 1e3 * reduce(self.prefill_s)
+
+
+def request(system: System, prompt: list[int], steps: int, timing: Timing | None, clock=time.perf_counter) -> list[int]:
+    """One request of `steps` + 1 new tokens; its prefill and decode wall times go into `timing` (if any)."""
+    t0 = clock()
+    with ranges.range(ranges.bench_name("prefill")):
+        system.start(prompt, steps + 1)
+    t1 = clock()
+    with ranges.range(ranges.bench_name("decode")):
+        tokens = system.finish()
+    t2 = clock()
+    if len(tokens) != steps + 1:
+        raise RuntimeError(f"{system.name} emitted {len(tokens)} tokens, expected {steps + 1}")
+    if timing is not None:
+        if not timing.tokens:
+            timing.tokens = list(tokens)
+        timing.prefill_s.append(t1 - t0)
+        timing.decode_s.append(t2 - t1)
+    return tokens
+
+
+def time_interleaved(
+    systems: Sequence[System], prompt: list[int], steps: int, *, repeats: int, warmup: int, clock=time.perf_counter,
+    tick: Callable[[], None] = lambda: None,
+) -> dict[str, Timing]:
+    """`warmup` untimed then `repeats` timed requests per system, the systems taking turns request by request."""
+    timings = {s.name: Timing(steps) for s in systems}
+    with ranges.range(ranges.bench_name("warmup")):
+        for _ in range(warmup):
+            for s in systems:
+                request(s, prompt, steps, None, clock)
+    for _ in range(repeats):
+        for s in systems:
+            request(s, prompt, steps, timings[s.name], clock)
+            tick()
+    return timings
+
+
+def make_prompt(path: Path, vocab: int, length: int) -> tuple[list[int], str]:
+    """`length` prompt ids and where they come from: this package's own source text through the checkpoint's
+    tokenizer (in-distribution for the embedded model, identical on every machine), else seeded random ids."""
+    from static_decode.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    if tokenizer is not None:
+        text = "".join(p.read_text() for p in sorted(Path(__file__).parent.glob("*.py")))
+        ids = [i for i in tokenizer.encode(text).ids if i < vocab]
+        if ids:
+            return (ids * (length // len(ids) + 1))[:length], "static_decode/*.py source text, tokenized"
+    rng = np.random.default_rng(0)
+    return rng.integers(0, vocab, size=length).tolist(), "random ids (numpy default_rng(0))"
+
+
+def machine(threads: int, device: torch.device) -> dict[str, Any]:
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    import platform
+
+    info = {
+        "cpu": cpu or platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": threads,
+        "torch": torch.__version__, "python": platform.python_version(), "device": str(device),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "load_avg_before": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def run(config: BenchConfig) -> dict[str, Any]:
+    """Run the bench; return the JSON document (see static_decode.bench_report for what it holds)."""
+    from static_decode.bench_report import command, progress_bar, targets
+    from static_decode.cli import default_model_path
+    from static_decode.loading import load_model
+
+    threads = config.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    path = config.model or default_model_path()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    doc: dict[str, Any] = {"machine": machine(threads, device)}
+    model = load_model(path, dtype=config.dtype, device=device)
+    c = model.config
+    prompt, source = make_prompt(path, c.vocab_size, max(config.contexts))
+    doc["model"] = {
+        "path": "embedded default model" if config.model is None else str(path),
+        "parameters": sum(p.numel() for p in model.parameters()), "layers": c.num_layers,
+        "hidden": c.hidden_size, "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+        "vocab": c.vocab_size, "dtype": str(model.dtype).removeprefix("torch."),
+    }
+    doc["bench"] = {
+        "command": command(config, threads),
+        "max_len": config.max_len, "contexts": list(config.contexts), "steps": config.steps,
+        "repeats": config.repeats, "warmup": config.warmup, "prompt": source,
+        "timing": "per request: ms_per_token = decode wall time / steps (all tokens back on the host), "
+        "prefill = wall time to the first token on the host; median (and best) over the timed requests; "
+        "systems interleaved request by request",
+    }
+    systems: list[System] = []
+    doc["systems"], doc["notes"], rows = [], [], []
+    work = len(config.systems) * (1 + len(config.contexts) * config.repeats) + (config.attention_lengths is not None)
+    with progress_bar(work, enabled=config.progress) as advance:
+        for name in config.systems:
+            advance(f"setting up {name}", 0)
+            t0 = time.perf_counter()
+            with ranges.range(ranges.bench_name("setup")):
+                system, why = build(name, model, path=path, max_len=config.max_len, settings=config.settings,
+                                    transformers_compile=config.transformers_compile)
+            entry = {"system": name, "setup_s": round(time.perf_counter() - t0, 2)}
+            doc["systems"].append(entry | ({"mode": system.mode} if system else {"skipped": why}))
+            advance(f"{name} ready", 1 + (0 if system else len(config.contexts) * config.repeats))
+            if system is None:
+                doc["notes"].append(f"{name}: {why}")
+            else:
+                systems.append(system)
+        for L in config.contexts:
+            timings = time_interleaved(
+                systems, prompt[:L], config.steps, repeats=config.repeats, warmup=config.warmup,
+                tick=lambda L=L: advance(f"context {L}", 1),
+            )
+            reference = timings.get("static-decode")
+            for s in systems:
+                rows.append(_row(s, timings[s.name], L, config.max_len, reference))
+        if config.profile is not None and systems:
+            _profile(systems[0], prompt[: config.contexts[0]], config.profile)
+            doc["notes"].append(f"torch.profiler trace of {PROFILE_STEPS} {systems[0].name} decode steps at "
+                                f"context {config.contexts[0]}: {config.profile}")
+        doc["rows"] = rows
+        doc["attention"] = _attention(config, device, doc["notes"])
+        advance("done", 1 if config.attention_lengths is not None else 0)
+    doc["machine"]["load_avg_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    for r in rows:
+        if r["tokens_match"] is False:
+            doc["notes"].append(f"{r['system']} at context {r['context']}: greedy tokens differ from static-decode "
+                                f"from new token {r['first_mismatch']} on")
+    doc["targets"] = targets(doc)
+    return doc
+
+
+def _row(s: System, t: Timing, context: int, max_len: int, reference: Timing | None) -> dict[str, Any]:
+    match, first = None, None
+    if reference is not None:
+        diff = [i for i, (a, b) in enumerate(zip(t.tokens, reference.tokens, strict=True)) if a != b]
+        match, first = not diff, (diff[0] if diff else None)
+    row = {
+        "system": s.name, "context": context, "max_len": max_len,
+        "ms_per_token": round(t.ms_per_token(), 4), "prefill_ms": round(t.prefill_ms(), 3),
+        "ms_per_token_best": round(t.ms_per_token(min), 4), "prefill_ms_best": round(t.prefill_ms(min), 3),
+        "decode_steps": t.steps, "repeats": len(t.decode_s), "tokens_match": match, "first_mismatch": first,
+    }
+    if hasattr(s, "read_len"):  # the read length of the last decode step (a ladder rung, or the live length)
+        row["read_len"] = s.read_len(context + t.steps)
+    return row
+
+
+def _profile(system: System, prompt: list[int], path: Path) -> None:
+    """A torch.profiler Chrome trace of PROFILE_STEPS decode steps (prefill outside the trace)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with ranges.range(ranges.bench_name("profile")):
+        system.start(prompt, PROFILE_STEPS + 1)
+        with profile(activities=activities, record_shapes=True) as prof:
+            system.finish()
+    prof.export_chrome_trace(str(path))
+
+
+def _attention(config: BenchConfig, device: torch.device, notes: list[str]) -> list[dict[str, Any]]:
+    """Decode attention alone at Llama-3.1-8B head shape vs read bandwidth (profiles/attention_bench.py)."""
+    if config.attention_lengths is None:
+        return []
+    bench = load_profiles_module("attention_bench")
+    if bench is None:
+        notes.append("attention: skipped (profiles/attention_bench.py is only in a source checkout)")
+        return []
+    from capture import BucketLadder
+
+    # The lengths the targets compare: the bucket of max_len/16 and max_len, for this sweep's max_len and for
+    # the longest attention length (an 8B-sized cache).
+    lengths = set(config.attention_lengths)
+    for m in (config.max_len, max(config.attention_lengths)):
+        lengths |= {m, BucketLadder.default(m).bucket_for(max(1, m // 16))}
+    with ranges.range(ranges.bench_name("attention")):
+        bandwidth = bench.read_bandwidth(device=device)
+        rows = bench.attention_rows(tuple(sorted(lengths)), device=device, bandwidth_gbps=bandwidth)
+    for r in rows:
+        r["read_bandwidth_gbps"] = round(bandwidth, 2)
+    return rows
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `bench` with the static-decode CLI (static_decode/cli.py's COMMAND_MODULES)."""
+    from static_decode.bench_report import add_arguments
+
+    p = subparsers.add_parser("bench", help="decode latency and prefill of every system side by side")
+    add_arguments(p)
+    p.set_defaults(run=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from static_decode.bench_report import config_from_args, report
+
+    doc = run(config_from_args(args))
+    report(doc, json_path=args.json, plot_path=args.plot)
+    return 0

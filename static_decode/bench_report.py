@@ -1,0 +1,246 @@
+"""`static-decode bench`'s options, progress bar, terminal tables, plot, JSON and the issue's targets.
+
+The JSON document (`--json PATH`):
+
+    machine   cpu, cores, threads, torch, python, device, load averages before and after the run
+    model     path, parameters, layers, hidden, heads, kv_heads, head_dim, vocab, dtype
+    bench     the reproducing command, max_len, contexts, steps, repeats, warmup, prompt, how it is timed
+    systems   [{system, setup_s, mode | skipped}]
+    rows      [{system, context, max_len, ms_per_token, prefill_ms, ms_per_token_best, prefill_ms_best,
+                decode_steps, repeats, tokens_match, first_mismatch, read_len?}]
+    attention [{impl, length, ms, median_ms, gbps, bandwidth_fraction, read_bandwidth_gbps, ...}]
+    targets   the ratios the targets are stated in, each with "met"
+    notes     skipped systems, token mismatches, the profile trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from static_decode.bench import QUICK, BenchConfig
+from static_decode.bench_systems import SYSTEMS
+
+SPEEDUP_TARGET = 3.0  # static-decode vs transformers, per token, at every context
+CLEARLY_BELOW = 1.2  # full-read / static-decode at max_len/16 counts as "clearly below" from here
+ATTENTION_SLACK = 1.25  # attention(bucket) / attention(max_len) within this factor of bucket / max_len
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from e
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one int")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = BenchConfig()
+    p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: embedded model)")
+    p.add_argument("--contexts", type=_ints, default=None, help=f"live context lengths (default {d.contexts})")
+    p.add_argument("--max-len", type=int, default=d.max_len, help="cache capacity (fixed over the sweep)")
+    p.add_argument("--steps", type=int, default=None, help=f"timed decode steps per request (default {d.steps})")
+    p.add_argument("--repeats", type=int, default=None, help=f"timed requests per point (default {d.repeats})")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed requests per point first")
+    p.add_argument("--systems", type=lambda s: tuple(x for x in s.split(",") if x), default=SYSTEMS,
+                   help=f"comma-separated, from {','.join(SYSTEMS)}")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    p.add_argument("--attention-lengths", type=_ints, default=None, help="attention microbenchmark lengths")
+    p.add_argument("--no-attention", action="store_true", help="skip the attention microbenchmark")
+    p.add_argument("--transformers-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile transformers' decode step as its docs show (default) or run it eager")
+    p.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager", "eager"),
+                   help="torch.compile backend of the compiled systems (not inductor: dynamo only, for debugging)")
+    p.add_argument("--quick", action="store_true", help=f"a short sweep: {QUICK} unless given")
+    p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG of ms/token against context here")
+    p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler Chrome trace here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    d, q = BenchConfig(), QUICK if args.quick else {}
+
+    def pick(name: str) -> Any:
+        given = getattr(args, name)
+        return given if given is not None else q.get(name, getattr(d, name))
+
+    settings = None  # the device default of capture/
+    if args.compile_backend != "inductor":
+        from capture import CompileSettings
+
+        settings = CompileSettings(backend=args.compile_backend)
+    return BenchConfig(
+        settings=settings, contexts=pick("contexts"), max_len=args.max_len, steps=pick("steps"),
+        repeats=pick("repeats"),
+        warmup=args.warmup, systems=args.systems, model=args.model, threads=args.threads, device=args.device,
+        dtype=args.dtype, attention_lengths=None if args.no_attention else pick("attention_lengths"),
+        transformers_compile=args.transformers_compile, progress=not args.quiet, profile=args.profile,
+    )
+
+
+def command(config: BenchConfig, threads: int) -> str:
+    """The command line that repeats this run (output paths left out)."""
+    parts = ["static-decode bench", f"--contexts {','.join(map(str, config.contexts))}",
+             f"--max-len {config.max_len}", f"--steps {config.steps}", f"--repeats {config.repeats}",
+             f"--warmup {config.warmup}", f"--systems {','.join(config.systems)}", f"--threads {threads}"]
+    parts += [f"--model {config.model}"] if config.model else []
+    parts += [f"--device {config.device}"] if config.device else []
+    parts += [f"--dtype {config.dtype}"] if config.dtype else []
+    if config.attention_lengths is None:
+        parts.append("--no-attention")
+    else:
+        parts.append(f"--attention-lengths {','.join(map(str, config.attention_lengths))}")
+    parts += [] if config.transformers_compile else ["--no-transformers-compile"]
+    backend = getattr(config.settings, "backend", "inductor")
+    parts += [] if backend == "inductor" else [f"--compile-backend {backend}"]
+    return " ".join(parts)
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, *, enabled: bool) -> Iterator[Callable[[str, int], None]]:
+    """A rich progress bar on stderr; `advance(text, n)`."""
+    if not enabled:
+        yield lambda text, n: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.description}"))
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        task = bar.add_task("", total=total)
+        yield lambda text, n: bar.update(task, advance=n, description=text)
+
+
+def _ms(doc: dict[str, Any], system: str, context: int) -> float | None:
+    return next((r["ms_per_token"] for r in doc["rows"] if (r["system"], r["context"]) == (system, context)), None)
+
+
+def targets(doc: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets as measured ratios (a target whose systems did not run is absent)."""
+    from capture import BucketLadder
+
+    out: dict[str, Any] = {}
+    contexts, max_len = doc["bench"]["contexts"], doc["bench"]["max_len"]
+    pairs = [(c, _ms(doc, "static-decode", c), _ms(doc, "transformers", c)) for c in contexts]
+    speedups = [{"context": c, "ratio": round(t / s, 2)} for c, s, t in pairs if s and t]
+    if speedups:
+        out["transformers_over_static_decode"] = {
+            "target": f">= {SPEEDUP_TARGET} at every context", "by_context": speedups,
+            "met": all(x["ratio"] >= SPEEDUP_TARGET for x in speedups),
+        }
+    short = max_len // 16
+    s, f = _ms(doc, "static-decode", short), _ms(doc, "full-read", short)
+    if s and f:
+        out["full_read_over_static_decode_at_max_len_16"] = {
+            "context": short, "ratio": round(f / s, 2), "target": f"clearly > 1 (counted from {CLEARLY_BELOW})",
+            "met": f / s >= CLEARLY_BELOW,
+        }
+    att = {r["length"]: r["ms"] for r in doc.get("attention", [])}
+    checks = []
+    for m in sorted({max_len, max(att, default=0)}):
+        live = max(1, m // 16)
+        bucket = BucketLadder.default(m).bucket_for(live) if m else 0
+        if bucket < m and bucket in att and m in att:
+            ideal, got = bucket / m, att[bucket] / att[m]
+            checks.append({"max_len": m, "live": live, "bucket": bucket, "ideal_ratio": round(ideal, 4),
+                           "measured_ratio": round(got, 4), "over_ideal": round(got / ideal, 2),
+                           "met": got / ideal <= ATTENTION_SLACK})
+    if checks:
+        out["attention_bucket_over_max_len"] = {"target": f"within {ATTENTION_SLACK}x of bucket/max_len",
+                                                "checks": checks, "met": all(c["met"] for c in checks)}
+    return out
+
+
+def tables(doc: dict[str, Any]) -> list[Any]:
+    from rich.table import Table
+
+    m, b = doc["machine"], doc["bench"]
+    names = [s["system"] for s in doc["systems"] if "mode" in s]
+    title = (f"decode ms/token (median of {b['repeats']} requests x {b['steps']} steps), max_len {b['max_len']}; "
+             f"{m['cpu']} ({m['cores']} cores, {m['threads']} threads), torch {m['torch']}")
+    ratios = [(n, "static-decode") for n in ("transformers", "full-read") if n in names and "static-decode" in names]
+    out = []
+    for key, label in (("ms_per_token", title), ("prefill_ms", "prefill ms (median)")):
+        t = Table(title=label)
+        t.add_column("context", justify="right")
+        for n in names:
+            t.add_column(n, justify="right")
+        if key == "ms_per_token":
+            for a, ref in ratios:
+                t.add_column(f"{a} / {ref}", justify="right")
+        for c in b["contexts"]:
+            row = {r["system"]: r for r in doc["rows"] if r["context"] == c}
+            cells = [f"{row[n][key]:.3f}" + ("" if row[n]["tokens_match"] is not False else " ≠") for n in names]
+            if key == "ms_per_token":
+                cells += [f"{row[a][key] / row[ref][key]:.2f}x" for a, ref in ratios]
+            t.add_row(str(c), *cells)
+        out.append(t)
+    s = Table(title="systems")
+    for col in ("system", "setup s", "mode"):
+        s.add_column(col)
+    for e in doc["systems"]:
+        s.add_row(e["system"], f"{e['setup_s']:.1f}", e.get("mode") or e.get("skipped", ""))
+    out.append(s)
+    if doc.get("attention"):
+        a = Table(title="decode attention alone, Llama-3.1-8B heads (Hq 32, Hkv 8, d 128), vs read bandwidth "
+                        f"{doc['attention'][0]['read_bandwidth_gbps']} GB/s")
+        for col in ("length", "ms", "GB/s", "fraction of read bw"):
+            a.add_column(col, justify="right")
+        for r in doc["attention"]:
+            a.add_row(str(r["length"]), f"{r['ms']:.3f}", f"{r['gbps']:.1f}", f"{r['bandwidth_fraction']:.2f}")
+        out.append(a)
+    return out
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """PNG of ms/token against context, one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for e in doc["systems"]:
+        rows = sorted((r for r in doc["rows"] if r["system"] == e["system"]), key=lambda r: r["context"])
+        if rows:
+            ax.plot([r["context"] for r in rows], [r["ms_per_token"] for r in rows], marker="o", label=e["system"])
+    values = [r["ms_per_token"] for r in doc["rows"]]
+    if values and max(values) > 10 * min(values):
+        ax.set_yscale("log")
+    m, b = doc["machine"], doc["bench"]
+    ax.set(xlabel="live context (tokens)", ylabel="ms per decoded token (median)",
+           title=f"decode latency, max_len {b['max_len']}\n{m['cpu']}, {m['threads']} threads, torch {m['torch']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report(doc: dict[str, Any], *, json_path: Path | None = None, plot_path: Path | None = None) -> None:
+    """Print the tables, targets and notes; write the JSON and the plot when asked."""
+    from rich.console import Console
+
+    console = Console(width=max(120, Console().width))
+    for t in tables(doc):
+        console.print(t)
+    for name, t in doc["targets"].items():
+        console.print(f"target {name}: {'met' if t['met'] else 'MISSED'} ({json.dumps(t)})")
+    for note in doc["notes"]:
+        console.print(f"note: {note}")
+    load = doc["machine"]
+    console.print(f"load average before {load['load_avg_before']}, after {load['load_avg_after']}")
+    if json_path is not None:
+        json_path.write_text(json.dumps(doc, indent=1) + "\n")
+    if plot_path is not None:
+        plot(doc, plot_path)

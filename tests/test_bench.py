@@ -1,0 +1,219 @@
+"""`static-decode bench`: the timing loop, the JSON it writes, the plot, and that every system decodes the same.
+
+Pins: prefill and decode are timed apart per request and reduced by the median over the timed requests only
+(warm-up requests are not timed), with the systems taking turns request by request; a system that emits the
+wrong number of tokens is refused; every system (static-decode compiled, eager, full-read, concat,
+transformers) gives transformers' own greedy continuation (an independent reference) on a tiny checkpoint, and
+a mismatch with static-decode is reported with its first index; the JSON has the documented keys; the plot is
+a PNG; `--profile` writes a Chrome trace for bench and for generate; bad sweeps are refused naming the value.
+No timing thresholds: the numbers are only checked to be what the fake clock dictates, or positive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from capture import CompileSettings
+from static_decode import bench, bench_report, bench_systems, cli
+from tests.checkpoints import hf_greedy, hf_llama, save
+
+EAGER = CompileSettings(backend="eager")  # dynamo only: the compiled systems' logic, without inductor's minutes
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    model = hf_llama(seed=7, eos=None, layers=2)
+    return model, save(model, tmp_path_factory.mktemp("bench"))
+
+
+# ---- the timing loop, on a fake clock ------------------------------------------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeSystem:
+    """Prefill costs `prefill` s, each decode step `step` s; tokens are 0, 1, 2, ... plus an offset."""
+
+    def __init__(self, name: str, clock: FakeClock, prefill: float, step: float, log: list, offset: int = 0):
+        self.name, self.mode, self.clock, self.log = name, "fake", clock, log
+        self.prefill, self.step, self.offset, self.calls = prefill, step, offset, 0
+
+    def start(self, prompt: list[int], new_tokens: int) -> None:
+        self.calls += 1
+        self.n = new_tokens
+        self.clock.now += self.prefill * self.calls  # requests get slower: 1x, 2x, 3x ... (the median picks)
+        self.log.append(self.name)
+
+    def finish(self) -> list[int]:
+        self.clock.now += self.step * (self.n - 1) * self.calls
+        return [self.offset + i for i in range(self.n)]
+
+
+def test_timing_loop_medians_over_timed_requests_only_and_interleaves():
+    clock, log = FakeClock(), []
+    a = FakeSystem("a", clock, prefill=0.010, step=0.001, log=log)
+    b = FakeSystem("b", clock, prefill=0.020, step=0.004, log=log, offset=5)
+    t = bench.time_interleaved([a, b], [1, 2, 3], steps=4, repeats=3, warmup=2, clock=clock)
+    assert log == ["a", "b"] * 5  # 2 warm-up rounds then 3 timed, the systems taking turns
+    # Timed requests are calls 3, 4, 5: prefill 3x, 4x, 5x the base, median 4x; per token likewise.
+    assert t["a"].prefill_s == pytest.approx([0.030, 0.040, 0.050])
+    assert t["a"].prefill_ms() == pytest.approx(40.0)
+    assert t["a"].ms_per_token() == pytest.approx(4.0)  # 4 steps of 4 ms each over 4 steps
+    assert t["a"].ms_per_token(min) == pytest.approx(3.0)
+    assert t["b"].ms_per_token() == pytest.approx(16.0)
+    assert t["b"].tokens == [5, 6, 7, 8, 9]  # steps + 1 new tokens, from the first timed request
+
+
+def test_a_system_emitting_the_wrong_number_of_tokens_is_refused():
+    clock = FakeClock()
+    s = FakeSystem("short", clock, 0.0, 0.0, [])
+    s.finish = lambda: [1]
+    with pytest.raises(RuntimeError, match="short emitted 1 tokens, expected 4"):
+        bench.request(s, [1], 3, None, clock)
+
+
+def test_a_token_mismatch_is_reported_with_its_first_index():
+    ref, other = bench.Timing(3, [0.1], [0.3], [4, 5, 6, 7]), bench.Timing(3, [0.1], [0.3], [4, 5, 9, 7])
+    s = FakeSystem("x", FakeClock(), 0, 0, [])
+    row = bench._row(s, other, 10, 64, ref)
+    assert (row["tokens_match"], row["first_mismatch"]) == (False, 2)
+    assert bench._row(s, ref, 10, 64, ref)["tokens_match"] is True
+    assert bench._row(s, ref, 10, 64, None)["tokens_match"] is None  # static-decode did not run
+
+
+# ---- the systems on a tiny checkpoint ------------------------------------------------------------------------
+def test_every_system_gives_the_reference_greedy_tokens(checkpoint):
+    hf, path = checkpoint
+    from static_decode.loading import load_model
+
+    model = load_model(path)
+    prompt, _ = bench.make_prompt(path, model.config.vocab_size, 21)
+    want = hf_greedy(hf, prompt, 7, eos=None)  # transformers' generate: independent of every system below
+    for name in bench_systems.SYSTEMS:
+        system, why = bench_systems.build(name, model, path=path, max_len=40, settings=EAGER,
+                                          transformers_compile=False)
+        assert system is not None, why
+        for _ in range(2):  # the second request reuses the system's cache: it must start from scratch
+            assert bench.request(system, prompt, 6, None) == want, name
+
+
+def test_transformers_compiled_decode_step_gives_the_same_tokens(checkpoint):
+    hf, path = checkpoint
+    from static_decode.loading import load_model
+
+    model = load_model(path)
+    system = bench_systems.TransformersSystem(path, model.dtype, model.device, 40, compile=True, backend="eager")
+    assert "torch.compile(backend='eager', fullgraph=True)" in system.mode  # it did not fall back to eager
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    assert bench.request(system, prompt, 5, None) == hf_greedy(hf, prompt, 6, eos=None)
+
+
+def test_bench_run_json_plot_and_profile(checkpoint, tmp_path, capsys):
+    _, path = checkpoint
+    out, png, trace = tmp_path / "b.json", tmp_path / "b.png", tmp_path / "trace.json"
+    rc = cli.main([
+        "bench", "--model", str(path), "--contexts", "5,20", "--max-len", "32", "--steps", "4", "--repeats", "2",
+        "--warmup", "1", "--compile-backend", "eager", "--no-transformers-compile", "--attention-lengths", "64",
+        "--threads", "1", "--quiet", "--json", str(out), "--plot", str(png), "--profile", str(trace),
+    ])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert set(doc) >= {"machine", "model", "bench", "systems", "rows", "attention", "targets", "notes"}
+    assert set(doc["machine"]) >= {"cpu", "cores", "threads", "torch", "load_avg_before", "load_avg_after"}
+    assert doc["machine"]["threads"] == 1
+    assert doc["model"]["layers"] == 2 and doc["model"]["kv_heads"] == 2
+    assert doc["bench"]["command"].startswith("static-decode bench --contexts 5,20 --max-len 32 --steps 4")
+    assert [s["system"] for s in doc["systems"]] == list(bench_systems.SYSTEMS)
+    assert all("mode" in s and s["setup_s"] >= 0 for s in doc["systems"])
+    assert [(r["system"], r["context"]) for r in doc["rows"]] == [
+        (s, c) for c in (5, 20) for s in bench_systems.SYSTEMS
+    ]
+    for r in doc["rows"]:
+        assert set(r) >= {"system", "context", "max_len", "ms_per_token", "prefill_ms", "tokens_match"}
+        assert r["max_len"] == 32 and r["ms_per_token"] > 0 and r["prefill_ms"] > 0 and r["repeats"] == 2
+        assert r["tokens_match"] is True, r
+    full = {r["context"]: r["read_len"] for r in doc["rows"] if r["system"] == "full-read"}
+    assert full == {5: 32, 20: 32}  # full-read always reads max_len
+    assert {r["length"] for r in doc["attention"]} == {64, 32}  # asked for + this sweep's max_len (one rung)
+    for r in doc["attention"]:
+        assert set(r) >= {"length", "ms", "gbps", "bandwidth_fraction"} and r["ms"] > 0
+    assert "transformers_over_static_decode" in doc["targets"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "traceEvents" in json.loads(trace.read_text())
+    printed = capsys.readouterr().out
+    assert "target transformers_over_static_decode" in printed and "full-read" in printed
+
+
+def test_generate_profile_writes_a_chrome_trace(checkpoint, tmp_path, capsys):
+    _, path = checkpoint
+    trace = tmp_path / "gen.json"
+    rc = cli.main(["generate", "--model", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
+                   "--device", "cpu", "--profile", str(trace)])
+    assert rc == 0 and "traceEvents" in json.loads(trace.read_text())
+    assert str(trace) in capsys.readouterr().err
+
+
+# ---- options and refusals ------------------------------------------------------------------------------------
+def _args(*argv: str) -> argparse.Namespace:
+    return cli.build_parser().parse_args(["bench", *argv])
+
+
+def test_quick_sets_a_short_sweep_unless_told_otherwise():
+    config = bench_report.config_from_args(_args("--quick"))
+    assert (config.contexts, config.steps, config.repeats) == (
+        bench.QUICK["contexts"], bench.QUICK["steps"], bench.QUICK["repeats"]
+    )
+    assert bench_report.config_from_args(_args("--quick", "--contexts", "64")).contexts == (64,)
+    assert bench_report.config_from_args(_args("--no-attention")).attention_lengths is None
+    assert bench_report.config_from_args(_args()).settings is None  # the device default of capture/
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"contexts": (2000,), "max_len": 2048, "steps": 64}, "context 2000 does not fit"),
+        ({"contexts": (0,)}, "context 0 does not fit"),
+        ({"contexts": ()}, "contexts is empty"),
+        ({"systems": ("static-decode", "vllm")}, "systems must be distinct names"),
+        ({"steps": 0}, "steps must be an int >= 1, got 0"),
+    ],
+)
+def test_bad_sweeps_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        bench.BenchConfig(**kwargs)
+
+
+def test_cli_reports_a_bad_sweep_as_a_usage_error(capsys):
+    assert cli.main(["bench", "--contexts", "4000"]) == 2
+    assert "context 4000 does not fit" in capsys.readouterr().err
+
+
+def test_targets_from_rows():
+    rows = [
+        {"system": "static-decode", "context": 128, "ms_per_token": 1.0},
+        {"system": "transformers", "context": 128, "ms_per_token": 3.5},
+        {"system": "full-read", "context": 128, "ms_per_token": 1.1},
+        {"system": "static-decode", "context": 512, "ms_per_token": 2.0},
+        {"system": "transformers", "context": 512, "ms_per_token": 5.0},
+    ]
+    attention = [{"length": 256, "ms": 0.5}, {"length": 2048, "ms": 3.0}]
+    doc = {"bench": {"contexts": [128, 512], "max_len": 2048}, "rows": rows, "attention": attention}
+    t = bench_report.targets(doc)
+    assert t["transformers_over_static_decode"]["by_context"] == [
+        {"context": 128, "ratio": 3.5}, {"context": 512, "ratio": 2.5}
+    ]
+    assert t["transformers_over_static_decode"]["met"] is False  # 2.5 < 3 at 512
+    assert t["full_read_over_static_decode_at_max_len_16"] == {
+        "context": 128, "ratio": 1.1, "target": "clearly > 1 (counted from 1.2)", "met": False
+    }
+    (check,) = t["attention_bucket_over_max_len"]["checks"]
+    assert (check["bucket"], check["ideal_ratio"], check["over_ideal"]) == (256, 0.125, 1.33)
+    assert check["met"] is False
+
