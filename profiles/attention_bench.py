@@ -228,6 +228,53 @@ def attention_rows(
     return rows
 
 
+def _qk_reduction(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    # [Hkv, S, G]: each K row loaded once and reused for the G queries (inductor: one loop nest, no GEMM).
+    # Compile-only: in eager this materialises a G x K temporary.
+    return (k[:, :, None, :] * q[:, None, :, :]).sum(-1)
+
+
+def _pv_reduction(p: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
+    # [Hkv, G, d] from p [Hkv, S, G]: partial sums over key blocks, then over blocks (compile-only, as above).
+    h, s, g = p.shape
+    pb = p.view(h, s // block, block, g)
+    vb = v.unflatten(1, (s // block, block))  # [Hkv, blocks, block, d] (a view of the strided cache slice)
+    return (pb[..., None] * vb[:, :, :, None, :]).sum(2).sum(1)
+
+
+def gemm_rates(
+    length: int = 32768, repeats: int = 5, *, warm: bool = False, reductions: bool = False
+) -> dict[str, float]:
+    """GB/s of the operand each decode GEMM streams (all 8 KV heads), next to a streaming sum.
+
+    Diagnoses where the attention's time goes: the two skinny GEMMs of a decode step against `sum` over K.
+    Cold cache by default; warm=True repeats on data left in cache (use a small length: the kernel's own rate).
+    reductions=True adds the torch.compile'd elementwise-and-sum forms of QK^T and PV (compile-only experiments).
+    """
+    k = torch.randn(HKV, length + 1, HEAD_DIM)[:, :length]  # [Hkv, L, d], strided like the cache
+    v = torch.randn(HKV, length + 1, HEAD_DIM)[:, :length]
+    q = torch.randn(HKV, HQ // HKV, HEAD_DIM)  # [Hkv, G, d]
+    p = torch.softmax(torch.randn(HKV, length, HQ // HKV), dim=1)  # [Hkv, L, G]
+    scratch = torch.zeros(_SCRATCH_BYTES // 4)
+    cpu = torch.device("cpu")
+    nbytes = k.numel() * 4
+    cases = {
+        "sum(K)": lambda: k.sum(),
+        "bmm(K, Q^T)": lambda: torch.bmm(k, q.transpose(1, 2)),
+        "bmm(Q, K^T)": lambda: torch.bmm(q, k.transpose(1, 2)),
+        "bmm(P^T, V)": lambda: torch.bmm(p.transpose(1, 2), v),
+    }
+    if reductions:
+        qk = torch.compile(_qk_reduction, dynamic=False, fullgraph=True)
+        pv = torch.compile(_pv_reduction, dynamic=False, fullgraph=True)
+        torch.testing.assert_close(qk(q, k), torch.bmm(k, q.transpose(1, 2)), rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(pv(p, v, 64), torch.bmm(p.transpose(1, 2), v), rtol=1e-4, atol=1e-3)
+        cases["compiled reduction QK^T"] = lambda: qk(q, k)
+        cases["compiled reduction PV (64-key blocks)"] = lambda: pv(p, v, 64)
+    flush = None if warm else scratch
+    return {name: nbytes / min(_timings(fn, repeats, flush=flush, device=cpu)) / 1e9 for name, fn in cases.items()}
+
+
 def profile_call(
     impl: str, length: int, *, slots: int = 1, dtype: torch.dtype = torch.float32, trace: str | None = None
 ) -> list[tuple[str, int]]:
@@ -286,7 +333,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--compile", action="store_true", help="also time torch.compile(grouped_attention)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time torch.compile(grouped_attention); with --gemms, add compiled reduction forms",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--wait-idle",
@@ -297,6 +348,10 @@ def main() -> None:
     )
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--json", metavar="PATH", help="write {machine, read_bandwidth_gbps, attention: rows}")
+    parser.add_argument(
+        "--gemms", action="store_true", help="instead of timing attention: GB/s of the decode GEMMs vs sum"
+    )
+    parser.add_argument("--warm", action="store_true", help="with --gemms: no cache flush (in-cache kernel rate)")
     parser.add_argument(
         "--trace",
         metavar="PREFIX",
@@ -321,6 +376,14 @@ def main() -> None:
             copies = profile_call(impl, length, slots=args.chunk, dtype=dtype, trace=path)
             verdict = "no K/V-sized copy" if not copies else f"K/V-sized copies: {copies}"
             print(f"{impl}: L={length} T={args.chunk}: {verdict}; trace in {path}")
+        return
+    if args.gemms:
+        for length in lengths:
+            rates = gemm_rates(length, args.repeats, warm=args.warm, reductions=args.compile)
+            print(
+                f"L={length} threads={torch.get_num_threads()}: "
+                + ", ".join(f"{n} {g:.1f} GB/s" for n, g in rates.items())
+            )
         return
     info = machine()
     bw = read_bandwidth(device=args.device)

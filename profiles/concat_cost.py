@@ -55,20 +55,44 @@ def run_concat(new_k: torch.Tensor, new_v: torch.Tensor) -> tuple[float, int]:
     return seconds, copied
 
 
-def run_prealloc(new_k: torch.Tensor, new_v: torch.Tensor, *, checked: bool) -> tuple[float, int]:
-    """In-place writes into a StaticKVCache sized for every step. Returns (seconds, bytes written)."""
+def _write_advance(cache: StaticKVCache, k_new: torch.Tensor, v_new: torch.Tensor, n_new: torch.Tensor) -> None:
+    cache.write(0, k_new, v_new, n_new)
+    cache.advance(n_new)
+
+
+def run_prealloc(
+    new_k: torch.Tensor, new_v: torch.Tensor, *, checked: bool, compiled: bool = False
+) -> tuple[float, int]:
+    """In-place writes into a StaticKVCache sized for every step. Returns (seconds, bytes written).
+
+    compiled: the device half (write + advance) as one torch.compile'd function, as a compiled step runs it;
+    compiled once before the timing on a scratch cache.
+    """
     steps = new_k.shape[0]
-    cache = StaticKVCache(BATCH, KV_HEADS, steps, HEAD_DIM, dtype=new_k.dtype)
     one = torch.ones(BATCH, dtype=torch.int64)
     host_one = one.numpy()
+    step = _write_advance
+    if compiled:
+        step = torch.compile(_write_advance, dynamic=False, fullgraph=True)
+        scratch = StaticKVCache(BATCH, KV_HEADS, steps, HEAD_DIM, dtype=new_k.dtype)
+        for i in range(3):
+            step(scratch, new_k[i].clone(), new_v[i].clone(), one)
+    cache = StaticKVCache(BATCH, KV_HEADS, steps, HEAD_DIM, dtype=new_k.dtype)
+    if compiled:
+        step(cache, new_k[0].clone(), new_v[0].clone(), one)  # a new cache object: trace for it outside timing
+        cache.reset()
     ptr = cache.k.data_ptr()
+    k_in, v_in = new_k[0].clone(), new_v[0].clone()  # static inputs, as a compiled step has
     t0 = time.perf_counter()
     for i in range(steps):
         if checked:
             cache.append(new_k[i], new_v[i], host_one)
+        elif compiled:
+            k_in.copy_(new_k[i])
+            v_in.copy_(new_v[i])
+            step(cache, k_in, v_in, one)
         else:
-            cache.write(0, new_k[i], new_v[i], one)
-            cache.advance(one)
+            step(cache, new_k[i], new_v[i], one)
     seconds = time.perf_counter() - t0
     if not checked:
         cache.commit(host_one * steps)
@@ -77,7 +101,9 @@ def run_prealloc(new_k: torch.Tensor, new_v: torch.Tensor, *, checked: bool) -> 
     return seconds, steps * (new_k[0].nbytes + new_v[0].nbytes)
 
 
-def measure(steps: int = 4096, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict[str, object]:
+def measure(
+    steps: int = 4096, dtype: torch.dtype = torch.bfloat16, seed: int = 0, compiled: bool = False
+) -> dict[str, object]:
     gen = torch.Generator().manual_seed(seed)
     shape = (steps, BATCH, KV_HEADS, 1, HEAD_DIM)
     new_k = torch.randn(shape, generator=gen).to(dtype)  # [steps, B, Hkv, 1, d]
@@ -87,6 +113,10 @@ def measure(steps: int = 4096, dtype: torch.dtype = torch.bfloat16, seed: int = 
         raise RuntimeError(f"counted {concat_b} B copied, the formula says {concat_bytes_copied(steps, dtype)}")
     device_s, device_b = run_prealloc(new_k, new_v, checked=False)
     checked_s, checked_b = run_prealloc(new_k, new_v, checked=True)
+    extra = []
+    if compiled:
+        comp_s, comp_b = run_prealloc(new_k, new_v, checked=False, compiled=True)
+        extra.append({"system": "preallocated write+advance, compiled", "seconds": comp_s, "bytes_copied": comp_b})
     return {
         "steps": steps,
         "dtype": str(dtype).removeprefix("torch."),
@@ -100,6 +130,7 @@ def measure(steps: int = 4096, dtype: torch.dtype = torch.bfloat16, seed: int = 
             {"system": "concat (torch.cat per step)", "seconds": concat_s, "bytes_copied": concat_b},
             {"system": "preallocated write+advance", "seconds": device_s, "bytes_copied": device_b},
             {"system": "preallocated append (checked)", "seconds": checked_s, "bytes_copied": checked_b},
+            *extra,
         ],
     }
 
@@ -109,10 +140,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4096)
     parser.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    parser.add_argument("--compile", action="store_true", help="also time write+advance under torch.compile")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error(f"--steps must be >= 2, got {args.steps}")
-    result = measure(args.steps, getattr(torch, args.dtype))
+    result = measure(args.steps, getattr(torch, args.dtype), compiled=args.compile)
     ra = result["readme_arithmetic"]
     print(
         f"{args.steps} decode steps, one layer of Llama-3.1-8B KV (B 1, Hkv 8, d 128, {result['dtype']}), "
@@ -122,7 +154,7 @@ def main() -> None:
     for row in result["rows"]:
         print(
             f"  {row['system']:32s} {row['seconds']:9.3f} s  {row['bytes_copied'] / 2**30:10.4f} GiB written  "
-            f"{row['seconds'] / base:8.1f}x write+advance"
+            f"{row['seconds'] / base:8.2f}x write+advance   {1e6 * row['seconds'] / args.steps:9.1f} us/step"
         )
     print(
         f"  README: {ra['kv_bytes_per_token_32_layers']:,} B of KV per token for 32 layers; concat copies "
