@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from static_decode import sampling
+from static_decode import ranges, sampling
 from static_decode.cache import StaticKVCache
 from static_decode.model import Llama
 from static_decode.steps import PAD, STEPS, StepBuffers, StepFn
@@ -317,7 +317,8 @@ class Generator:
             bufs.chunk.copy_(torch.from_numpy(chunk))
             bufs.n_new.copy_(torch.from_numpy(n))
             read_len = self._read_len(int((cache.host_lens + n).max()))
-            self._step("prefill", read_len)(self.model, cache, bufs, read_len)
+            with ranges.range(ranges.PREFILL_CHUNK, ranges.COLORS["prefill"]):
+                self._step("prefill", read_len)(self.model, cache, bufs, read_len)
             cache.commit(n)
 
     def _run(
@@ -340,11 +341,16 @@ class Generator:
         emitted = np.zeros(R, dtype=np.int64)
         finished = np.zeros(R, dtype=bool)
         complete = False
+        # NVTX ranges wrap each launch on the host (never inside a compiled step). Decode samples inside its step,
+        # so "sample" marks only the separate first-token launch.
+        sample_range = ranges.range(ranges.SAMPLE, ranges.COLORS["sample"])
+        decode_range = ranges.range(ranges.DECODE_STEP, ranges.COLORS["decode"])
         try:
             # Grad mode is set per launch, never held across a yield (it is thread-global state of the caller).
             with torch.no_grad():
                 self._prefill(rows)
-                self._step("first_greedy" if greedy else "first", 0)(model, cache, bufs, 0)
+                with sample_range:
+                    self._step("first_greedy" if greedy else "first", 0)(model, cache, bufs, 0)
             longest = int(cache.host_lens.max())  # exact now; an upper bound from here on
             read_from, steps = 0, 0
             kind = "decode_greedy" if greedy else "decode"
@@ -359,7 +365,7 @@ class Generator:
                         break
                 steps += 1
                 read_len = self._read_len(longest + steps)
-                with torch.no_grad():
+                with torch.no_grad(), decode_range:
                     self._step(kind, read_len)(model, cache, bufs, read_len)
             t2 = time.perf_counter()
             # Each emitted token except a row's last was fed back: that is how far the device lengths moved.

@@ -225,3 +225,25 @@ def test_a_trainable_model_builds_no_autograd_graph(model):
     assert torch.is_grad_enabled()  # the caller's grad mode between yields is untouched
     list(it)
     assert gen.cache.k.grad_fn is None and not gen.cache.k.requires_grad
+
+
+def test_launches_are_wrapped_in_nvtx_ranges(model, monkeypatch):
+    """The Nsight recipes select by these names: one prefill/chunk per chunk, one sample, one decode/step per step."""
+    from static_decode import ranges
+
+    seen: list[str] = []
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __enter__(self):
+            seen.append(self.name)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(ranges, "range", lambda name, color=None: Recorder(name))
+    gen = Generator(model, max_len=64, chunk_size=4)
+    gen.generate([1, 2, 3, 4, 5, 6], 5, stop_at_eos=False)  # 2 chunks, the first token, 4 decode steps
+    assert seen == [ranges.PREFILL_CHUNK] * 2 + [ranges.SAMPLE] + [ranges.DECODE_STEP] * 4
