@@ -63,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of ms/token against context here")
     p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler Chrome trace here")
+    p.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
+                   help="before each timed request wait up to S s for the CPUs to be >= 90%% idle (shared machines)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -84,6 +86,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup=args.warmup, systems=args.systems, model=args.model, threads=args.threads, device=args.device,
         dtype=args.dtype, attention_lengths=None if args.no_attention else pick("attention_lengths"),
         transformers_compile=args.transformers_compile, progress=not args.quiet, profile=args.profile,
+        wait_idle=args.wait_idle,
     )
 
 
@@ -100,6 +103,7 @@ def command(config: BenchConfig, threads: int) -> str:
     else:
         parts.append(f"--attention-lengths {','.join(map(str, config.attention_lengths))}")
     parts += [] if config.transformers_compile else ["--no-transformers-compile"]
+    parts += [f"--wait-idle {config.wait_idle:g}"] if config.wait_idle > 0 else []
     backend = getattr(config.settings, "backend", "inductor")
     parts += [] if backend == "inductor" else [f"--compile-backend {backend}"]
     return " ".join(parts)
@@ -239,7 +243,8 @@ def report(doc: dict[str, Any], *, json_path: Path | None = None, plot_path: Pat
     for note in doc["notes"]:
         console.print(f"note: {note}")
     load = doc["machine"]
-    console.print(f"load average before {load['load_avg_before']}, after {load['load_avg_after']}")
+    console.print(f"load average before {load['load_avg_before']}, after {load['load_avg_after']}"
+                  + (f"; idle gate {load['idle_gate']}" if "idle_gate" in load else ""))
     if json_path is not None:
         json_path.write_text(json.dumps(doc, indent=1) + "\n")
     if plot_path is not None:

@@ -60,8 +60,11 @@ def test_timing_loop_medians_over_timed_requests_only_and_interleaves():
     clock, log = FakeClock(), []
     a = FakeSystem("a", clock, prefill=0.010, step=0.001, log=log)
     b = FakeSystem("b", clock, prefill=0.020, step=0.004, log=log, offset=5)
-    t = bench.time_interleaved([a, b], [1, 2, 3], steps=4, repeats=3, warmup=2, clock=clock)
+    gated = []
+    t = bench.time_interleaved([a, b], [1, 2, 3], steps=4, repeats=3, warmup=2, clock=clock,
+                               gate=lambda: gated.append(len(log)))
     assert log == ["a", "b"] * 5  # 2 warm-up rounds then 3 timed, the systems taking turns
+    assert gated == [4, 5, 6, 7, 8, 9]  # the idle gate runs before each timed request only
     # Timed requests are calls 3, 4, 5: prefill 3x, 4x, 5x the base, median 4x; per token likewise.
     assert t["a"].prefill_s == pytest.approx([0.030, 0.040, 0.050])
     assert t["a"].prefill_ms() == pytest.approx(40.0)
@@ -69,6 +72,21 @@ def test_timing_loop_medians_over_timed_requests_only_and_interleaves():
     assert t["a"].ms_per_token(min) == pytest.approx(3.0)
     assert t["b"].ms_per_token() == pytest.approx(16.0)
     assert t["b"].tokens == [5, 6, 7, 8, 9]  # steps + 1 new tokens, from the first timed request
+
+
+def test_idle_gate_waits_for_idle_cpus_and_counts_when_it_gives_up(monkeypatch):
+    readings = iter([0.2, 0.5, 0.95])
+    monkeypatch.setattr(bench.IdleGate, "idle_fraction", staticmethod(lambda: next(readings)))
+    gate = bench.IdleGate(limit_s=60)
+    gate()  # busy, busy, idle: returns after the third reading
+    assert next(readings, None) is None and gate.stats["gave_up"] == 0 and gate.stats["requests"] == 1
+    monkeypatch.setattr(bench.IdleGate, "idle_fraction", staticmethod(lambda: 0.0))
+    impatient = bench.IdleGate(limit_s=1e-9)
+    impatient()
+    assert impatient.stats["gave_up"] == 1
+    off = bench.IdleGate(limit_s=0)
+    off()
+    assert off.stats["requests"] == 0  # off: not even a /proc/stat read
 
 
 def test_a_system_emitting_the_wrong_number_of_tokens_is_refused():
@@ -180,7 +198,8 @@ def test_quick_sets_a_short_sweep_unless_told_otherwise():
     [
         ({"contexts": (2000,), "max_len": 2048, "steps": 64}, "context 2000 does not fit"),
         ({"contexts": (0,)}, "context 0 does not fit"),
-        ({"contexts": ()}, "contexts is empty"),
+        ({"contexts": ()}, "contexts must be distinct and at least one"),
+        ({"contexts": (128, 512, 128)}, "contexts must be distinct"),
         ({"systems": ("static-decode", "vllm")}, "systems must be distinct names"),
         ({"steps": 0}, "steps must be an int >= 1, got 0"),
     ],
