@@ -48,7 +48,7 @@ class BenchConfig:
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS
     max_len: int = 2048
     steps: int = 64  # timed decode steps per request
-    repeats: int = 5  # timed requests per (system, context)
+    repeats: int = 7  # timed requests per (system, context)
     warmup: int = 1  # untimed requests per (system, context) first
     systems: tuple[str, ...] = SYSTEMS
     model: Path | None = None  # None: the embedded default model
@@ -290,6 +290,7 @@ def _row(s: System, t: Timing, context: int, max_len: int, reference: Timing | N
         "ms_per_token": round(t.ms_per_token(), 4), "prefill_ms": round(t.prefill_ms(), 3),
         "ms_per_token_best": round(t.ms_per_token(min), 4), "prefill_ms_best": round(t.prefill_ms(min), 3),
         "decode_steps": t.steps, "repeats": len(t.decode_s), "tokens_match": match, "first_mismatch": first,
+        "ms_per_token_samples": [round(1e3 * d / t.steps, 3) for d in t.decode_s],  # one per timed request
     }
     if hasattr(s, "read_len"):  # the read length of the last decode step (a ladder rung, or the live length)
         row["read_len"] = s.read_len(context + t.steps)

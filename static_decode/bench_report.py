@@ -7,7 +7,7 @@ The JSON document (`--json PATH`):
     bench     the reproducing command, max_len, contexts, steps, repeats, warmup, prompt, how it is timed
     systems   [{system, setup_s, mode | skipped}]
     rows      [{system, context, max_len, ms_per_token, prefill_ms, ms_per_token_best, prefill_ms_best,
-                decode_steps, repeats, tokens_match, first_mismatch, read_len?}]
+                decode_steps, repeats, tokens_match, first_mismatch, ms_per_token_samples, read_len?}]
     attention [{impl, length, ms, median_ms, gbps, bandwidth_fraction, read_bandwidth_gbps, ...}]
     targets   the ratios the targets are stated in, each with "met"
     notes     skipped systems, token mismatches, the profile trace
