@@ -149,7 +149,8 @@ class CaptureReport:
 
 
 # ---- `static-decode capture-report` ---------------------------------------------------------------------------
-def _ints(text: str) -> tuple[int, ...]:
+def int_list(text: str) -> tuple[int, ...]:
+    """argparse type for comma-separated ints (also used by `static-decode bench`)."""
     import argparse
 
     try:
@@ -231,7 +232,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-len", type=int, default=4096, help="cache capacity (the ladder's last bucket)")
     p.add_argument("--chunk-size", type=int, default=64, help="prompt slots per prefill step")
     p.add_argument("--batch", type=int, default=1, help="cache rows")
-    p.add_argument("--buckets", type=_ints, default=None, help="read lengths, e.g. 256,1024,4096 (default ladder)")
+    p.add_argument("--buckets", type=int_list, default=None, help="read lengths, e.g. 256,1024,4096 (default ladder)")
     p.add_argument("--kinds", type=lambda s: tuple(k for k in s.split(",") if k), default=None,
                    help="step kinds to compile, e.g. prefill,first_greedy,decode_greedy (default: all)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")

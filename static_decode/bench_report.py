@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from capture.report import int_list
 from static_decode.bench import QUICK, BenchConfig
 from static_decode.bench_systems import SYSTEMS
 
@@ -30,20 +31,10 @@ CLEARLY_BELOW = 1.2  # full-read / static-decode at max_len/16 counts as "clearl
 ATTENTION_SLACK = 1.25  # attention(bucket) / attention(max_len) within this factor of bucket / max_len
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from e
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one int")
-    return values
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = BenchConfig()
     p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: embedded model)")
-    p.add_argument("--contexts", type=_ints, default=None, help=f"live context lengths (default {d.contexts})")
+    p.add_argument("--contexts", type=int_list, default=None, help=f"live context lengths (default {d.contexts})")
     p.add_argument("--max-len", type=int, default=d.max_len, help="cache capacity (fixed over the sweep)")
     p.add_argument("--steps", type=int, default=None, help=f"timed decode steps per request (default {d.steps})")
     p.add_argument("--repeats", type=int, default=None, help=f"timed requests per point (default {d.repeats})")
@@ -53,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    p.add_argument("--attention-lengths", type=_ints, default=None, help="attention microbenchmark lengths")
+    p.add_argument("--attention-lengths", type=int_list, default=None, help="attention microbenchmark lengths")
     p.add_argument("--no-attention", action="store_true", help="skip the attention microbenchmark")
     p.add_argument("--transformers-compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile transformers' decode step as its docs show (default) or run it eager")
