@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from static_decode.attention import DEFAULT_IMPL, IMPLS, grouped_attention
+from static_decode.bench import IdleGate
 from static_decode.cache import StaticKVCache
 
 HQ, HKV, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
@@ -62,21 +63,8 @@ def machine() -> dict[str, object]:
     return info
 
 
-def cpu_idle_fraction(window_s: float = 0.1) -> float:
-    """Fraction of all CPUs idle over the next window_s (from /proc/stat; 1.0 where unavailable)."""
-
-    def read() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            vals = [int(x) for x in f.readline().split()[1:]]
-        return vals[3] + vals[4], sum(vals)  # idle + iowait, total
-
-    try:
-        i0, t0 = read()
-        time.sleep(window_s)
-        i1, t1 = read()
-    except OSError:
-        return 1.0
-    return (i1 - i0) / max(1, t1 - t0)
+# One /proc/stat idle reader for the whole project: the bench's.
+cpu_idle_fraction = IdleGate.idle_fraction
 
 
 # Shared machines: with --wait-idle, each timed call first waits (up to WAIT_IDLE_S) for a moment when the other
