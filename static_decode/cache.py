@@ -22,7 +22,8 @@ IntsLike = torch.Tensor | np.ndarray | Sequence[int]
 
 # One spare position past max_len: the padded slots of a fixed-size chunk are all written there (a "trash"
 # row no read ever covers, because reads stop at read_len <= max_len). That keeps the write a single
-# fixed-shape scatter with no read-modify-write, and leaves every position past a row's length untouched.
+# fixed-shape indexed write (index_put_) with no read-modify-write, and leaves every position past a row's
+# length untouched.
 SPARE_ROWS = 1
 
 
