@@ -24,6 +24,13 @@ What the registry takes care of:
 
 Lazy mode (`warm_up` not called, or called for some pairs only): a pair compiles at its first real call, and
 its record is made then.
+
+Fallback (`fallback=True`, the Generator's default for a tensor-parallel model): when compiling or capturing a
+kind fails (a collectives backend that a graph cannot hold, say), that kind runs its eager step from then on,
+and every record of it carries the reason (`CaptureRecord.fallback`, shown by capture-report and compared by
+its --check). Compile errors surface at the first call, before the step runs; a failure later in a CUDA-graph
+record happens inside warm-up's scratch state, so warm up (the default) when you rely on fallback. Without
+fallback a failure raises, as a regression guard should.
 """
 
 from __future__ import annotations
@@ -71,7 +78,8 @@ class StepRegistry:
     steps: kind -> fn(*args, read_len); ladder: the read buckets; args: the fixed leading arguments;
     unbucketed: kinds that read no cache (always called with read_len 0: one graph each);
     static_tensors: tensors steps mutate (marked as static addresses under CUDA graphs);
-    scratch: a context factory for warm-up (see `preserving`); without it, warm-up runs on the live state.
+    scratch: a context factory for warm-up (see `preserving`); without it, warm-up runs on the live state;
+    fallback: run a kind eagerly (and say why in its records) when it fails to compile or capture.
     """
 
     def __init__(
@@ -85,6 +93,7 @@ class StepRegistry:
         unbucketed: Iterable[str] = (),
         static_tensors: Iterable[torch.Tensor] = (),
         scratch: ScratchFactory | None = None,
+        fallback: bool = False,
     ) -> None:
         global _GRAPHS_REQUESTED
         if not isinstance(ladder, BucketLadder):
@@ -115,6 +124,8 @@ class StepRegistry:
         self._runners = {k: self._runner(k) for k in self._compiled}
         self._rungs = frozenset(ladder.lengths)
         self.records: dict[Pair, CaptureRecord] = {}
+        self.fallback = bool(fallback)
+        self.fallbacks: dict[str, str] = {}  # kind -> why it runs eagerly
 
     # ---- what exists --------------------------------------------------------------------------------------
     @property
@@ -155,12 +166,13 @@ class StepRegistry:
             return lambda *a: self._first_call(pair, a)
         return self._runners[kind]
 
-    def _runner(self, kind: str) -> Callable[..., Any]:
+    def _runner(self, kind: str, *, eager: bool = False) -> Callable[..., Any]:
         """The per-call wrapper: no_grad (one grad mode for every call, so no guard ever fails on it), the
-        fixed read length of an unbucketed kind, and under CUDA graphs a new replay step and cloned outputs."""
-        fn = self._compiled[kind]
+        fixed read length of an unbucketed kind, and under CUDA graphs a new replay step and cloned outputs.
+        eager=True: the same around the uncompiled step (a fallback)."""
+        fn = self._eager[kind] if eager else self._compiled[kind]
         fixed = 0 if kind in self.unbucketed else None
-        cudagraphs = self.cudagraphs
+        cudagraphs = self.cudagraphs and not eager
 
         def call(*a: Any) -> Any:
             if fixed is not None:
@@ -191,9 +203,9 @@ class StepRegistry:
         scratch = self.scratch() if self.scratch is not None else contextlib.nullcontext()
         with scratch, _progress(len(todo), enabled=progress and bool(todo)) as advance:
             for kind, read_len in todo:
-                run = self._runners[kind]
+                # The runner is looked up at each call: a fallback inside _measure swaps it for the eager one.
                 _, record = self._measure(
-                    (kind, read_len), lambda r=run, n=read_len: r(*self.args, n), calls=calls
+                    (kind, read_len), lambda k=kind, n=read_len: self._runners[k](*self.args, n), calls=calls
                 )
                 self.records[(kind, read_len)] = record
                 advance(f"{kind} @ {read_len}: {record.seconds:.1f} s")
@@ -213,8 +225,14 @@ class StepRegistry:
         out = None
         with capture_range(kind, read_len), count_compiles() as counter, torch.no_grad():
             t0 = time.perf_counter()
-            for _ in range(calls):
-                out = call()
+            try:
+                for _ in range(calls if kind not in self.fallbacks else 1):
+                    out = call()
+            except Exception as error:
+                if not self.fallback or kind in self.fallbacks:
+                    raise
+                self._fall_back(kind, error)
+                out = call()  # now the eager step
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - t0
@@ -229,8 +247,17 @@ class StepRegistry:
             recompiles=c.recompiles,
             cudagraph_skips=c.cudagraph_skips,
             pool_bytes=None if mem0 is None or mem1 is None else max(0, mem1 - mem0),
+            fallback=self.fallbacks.get(kind, ""),
         )
         return out, record
+
+    def _fall_back(self, kind: str, error: Exception) -> None:
+        """From now on run `kind` eagerly; remember why (the first line of the error)."""
+        lines = str(error).strip().splitlines()
+        why = f"{type(error).__name__}: {lines[0] if lines else ''}"
+        self.fallbacks[kind] = why[:200]
+        self._runners[kind] = self._runner(kind, eager=True)
+        _console().print(f"[capture] step {kind!r} runs eagerly: {self.fallbacks[kind]}")
 
 
 def _reserved(device: torch.device) -> int | None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-CHECKED_FIELDS = ("graphs", "graph_breaks", "cudagraph_skips")  # what --check compares per pair
+CHECKED_FIELDS = ("graphs", "graph_breaks", "cudagraph_skips", "fallback")  # what --check compares per pair
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class CaptureRecord:
     recompiles: int  # dynamo's recompiles (each bucket after a kind's first is one; informational)
     cudagraph_skips: int  # reduce-overhead fell back to no CUDA graph (0 on CUDA; CPU never uses them)
     pool_bytes: int | None = None  # CUDA: allocator memory reserved during the capture; None elsewhere
+    fallback: str = ""  # why this kind runs its eager step instead ("" = compiled; see StepRegistry fallback)
 
 
 @dataclass
@@ -58,11 +59,17 @@ class CaptureReport:
     def cudagraph_skips(self) -> int:
         return sum(r.cudagraph_skips for r in self.records)
 
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        """Kinds that run eagerly, with the reason."""
+        return {r.kind: r.fallback for r in self.records if r.fallback}
+
     def summary(self) -> str:
+        eager = f", {len(self.fallbacks)} kind(s) fell back to eager" if self.fallbacks else ""
         return (
             f"{len(self.records)} (kind, bucket) pairs in {self.seconds:.1f} s: {self.graphs} graphs, "
-            f"{self.graph_breaks} graph breaks, {self.cudagraph_skips} cudagraph skips ({self.settings} on "
-            f"{self.device})"
+            f"{self.graph_breaks} graph breaks, {self.cudagraph_skips} cudagraph skips{eager} ({self.settings} "
+            f"on {self.device})"
         )
 
     # ---- JSON ---------------------------------------------------------------------------------------------
@@ -130,8 +137,9 @@ class CaptureReport:
         from rich.table import Table
 
         t = Table(title=f"capture: {self.settings} on {self.device}, torch {torch.__version__}")
-        for name in ("kind", "bucket", "compile s", "graphs", "breaks", "recompiles", "cg skips", "pool MiB"):
-            t.add_column(name, justify="left" if name == "kind" else "right", no_wrap=True)
+        columns = ("kind", "bucket", "compile s", "graphs", "breaks", "recompiles", "cg skips", "pool MiB", "runs")
+        for name in columns:
+            t.add_column(name, justify="left" if name in ("kind", "runs") else "right", no_wrap=name != "runs")
         for r in self.records:
             pool = "-" if r.pool_bytes is None else f"{r.pool_bytes / 2**20:.1f}"
             t.add_row(
@@ -143,6 +151,7 @@ class CaptureReport:
                 str(r.recompiles),
                 str(r.cudagraph_skips),
                 pool,
+                f"eager ({r.fallback})" if r.fallback else "compiled",
             )
         t.caption = self.summary()
         return t

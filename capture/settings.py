@@ -63,10 +63,17 @@ class CompileSettings:
         object.__setattr__(self, "options", dict(self.options))
 
     @classmethod
-    def for_device(cls, device: torch.device | str) -> CompileSettings:
-        """The measured default: reduce-overhead (CUDA graphs) on CUDA, the C++ wrapper on CPU."""
+    def for_device(cls, device: torch.device | str, *, collectives: str | None = None) -> CompileSettings:
+        """The measured default: reduce-overhead (CUDA graphs) on CUDA, the C++ wrapper on CPU.
+
+        collectives: the torch.distributed backend the steps' all-reduces run on (tensor parallelism), or
+        None. NCCL collectives can be captured in a CUDA graph; any other backend on CUDA tensors (gloo)
+        runs on the host and cannot, so such steps are compiled without CUDA graphs.
+        """
         device = torch.device(device)
         if device.type == "cuda":
+            if collectives not in (None, "nccl"):
+                return cls()
             return cls(mode="reduce-overhead")
         if device.type == "cpu":
             return cls(options=CPU_OPTIONS)
@@ -119,10 +126,13 @@ class CaptureOptions:
     warm_up: str = "all"  # "all": every (kind, bucket) when the cache is allocated; "lazy": at first use
     kinds: tuple[str, ...] | None = None  # kinds to warm up (None: all of them)
     progress: bool = True  # a progress bar and the total capture time on stderr during warm-up
+    fallback: bool | None = None  # a kind that fails to compile runs eagerly; None: only for a tensor-parallel model
 
     def __post_init__(self) -> None:
         if self.warm_up not in WARM_UP:
             raise ValueError(f"warm_up must be one of {WARM_UP}, got {self.warm_up!r}")
+        if self.fallback is not None and not isinstance(self.fallback, bool):
+            raise TypeError(f"fallback must be a bool or None, got {self.fallback!r}")
         if self.settings is not None and not isinstance(self.settings, CompileSettings):
             raise TypeError(f"settings must be a CompileSettings, got {type(self.settings).__name__}")
         if self.kinds is not None:

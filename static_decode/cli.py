@@ -4,6 +4,9 @@ Subcommands come from the modules named in `COMMAND_MODULES`, imported when the 
 joins by defining `add_parser(subparsers) -> None`, which adds its parser(s) and sets `run=<fn(args) -> int>`
 on each with `set_defaults`. This module defines `generate` and `demo`. A listed module that does not exist
 (or does not define `add_parser` yet) adds nothing; any other import error is raised.
+
+Under torchrun (WORLD_SIZE > 1, static_decode.launch) commands that set `distributed=True` run on every rank
+with `args.launch` telling them their rank, device and shard; the others refuse to start.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
+from typing import TextIO
 
 from static_decode.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY
 
@@ -76,6 +80,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from static_decode.generator import Generator
     from static_decode.loading import load_model, load_tokenizer
+    from static_decode.parallel import SINGLE
 
     if args.max_new_tokens < 1:  # checked first: the default max_len is derived from it
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -83,8 +88,12 @@ def run_generate(args: argparse.Namespace) -> int:
     if not (path / "config.json").is_file():
         hint = " (the embedded default model is not built yet)" if path == default_model_path() else ""
         raise FileNotFoundError(f"no checkpoint at {path}{hint}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(path, dtype=args.dtype, device=device)
+    launch = getattr(args, "launch", None)  # set under torchrun: this rank's shard and device
+    if launch is not None:
+        tp, device = launch.tp, launch.device
+    else:
+        tp, device = SINGLE, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = load_model(path, dtype=args.dtype, device=device, tp=tp)
     tokenizer = load_tokenizer(path)
     if args.prompt_ids is not None:
         prompt = args.prompt_ids
@@ -137,7 +146,8 @@ def run_generate(args: argparse.Namespace) -> int:
         prof.stop()
         prof.export_chrome_trace(str(args.profile))
         print(f"torch.profiler Chrome trace: {args.profile}", file=sys.stderr)
-    print(gen.stats.summary(), file=sys.stderr)
+    where = "" if not tp.enabled else f" [{tp.describe()}, {launch.backend}]"
+    print(gen.stats.summary() + where, file=sys.stderr)
     return 0
 
 
@@ -145,10 +155,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """This module's commands: `generate` and `demo`."""
     p = subparsers.add_parser("generate", help="generate from a prompt with a checkpoint")
     add_generation_arguments(p)
-    p.set_defaults(run=run_generate)
+    p.set_defaults(run=run_generate, distributed=True)
     p = subparsers.add_parser("demo", help=f"generate from {DEMO_PROMPT!r} with the embedded model")
     add_generation_arguments(p, demo=True)
-    p.set_defaults(run=run_generate)
+    p.set_defaults(run=run_generate, distributed=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,11 +178,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from static_decode import launch
+
     args = build_parser().parse_args(argv)
+    try:
+        env = launch.distributed_env()
+    except ValueError as e:
+        print(f"static-decode {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    if env is None:
+        return _run(args, sys.stderr, "")
+    if not getattr(args, "distributed", False):
+        print(
+            f"static-decode {args.command}: error: this command does not run under torchrun "
+            f"(WORLD_SIZE={env[1]}); run it as a single process",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        session = launch.session(getattr(args, "device", None))
+        where = session.__enter__()
+    except ValueError as e:  # a device this rank cannot have
+        print(f"static-decode {args.command} [rank {env[0]}]: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        args.launch = where
+        return _run(args, where.stderr, f" [rank {where.tp.rank}]")
+    finally:
+        session.__exit__(None, None, None)
+
+
+def _run(args: argparse.Namespace, stderr: TextIO, who: str) -> int:
     try:
         return args.run(args)
     except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
-        print(f"static-decode {args.command}: error: {e}", file=sys.stderr)
+        print(f"static-decode {args.command}{who}: error: {e}", file=stderr)
         return 2
 
 

@@ -134,9 +134,9 @@ class Generator:
 
     def _capture_steps(self) -> None:
         """compile=True: compile the steps over this cache and these buffers, one graph per (kind, bucket)."""
-        from capture import BucketLadder, StepRegistry, preserving
+        from capture import BucketLadder, CompileSettings, StepRegistry, preserving
 
-        cache, bufs, opts = self.cache, self.bufs, self.capture
+        cache, bufs, opts, tp = self.cache, self.bufs, self.capture, self.model.tp
         live = [cache.lens, *bufs.tensors().values()]
 
         def idle() -> contextlib.AbstractContextManager[None]:
@@ -144,10 +144,12 @@ class Generator:
             # row), then every buffer and the lengths are restored.
             return preserving(live, prepare=lambda: (bufs.done.fill_(True), bufs.n_new.zero_()))
 
+        settings = opts.settings or CompileSettings.for_device(cache.device, collectives=tp.backend())
         self._registry = StepRegistry(
             STEPS, BucketLadder.of(opts.buckets, self.max_len), args=(self.model, cache, bufs),
-            device=cache.device, settings=opts.settings, unbucketed=("first", "first_greedy"),
+            device=cache.device, settings=settings, unbucketed=("first", "first_greedy"),
             static_tensors=[cache.k, cache.v, *live], scratch=idle,
+            fallback=tp.enabled if opts.fallback is None else opts.fallback,
         )
         if opts.warm_up == "all":
             self._registry.warm_up(self._registry.pairs(opts.kinds), progress=opts.progress)

@@ -4,6 +4,10 @@ Weights are read with the `safetensors` library from `model.safetensors` or from
 `model.safetensors.index.json`. Every tensor's name and shape is checked against the config before any data
 is read, and errors name the key and the file. The model is built on the meta device and the loaded tensors
 are assigned in place, so nothing is initialised twice.
+
+Under tensor parallelism (`tp`) a rank reads only its slice of each split tensor (`safe_open(...).get_slice`
+reads just those bytes of the memory-mapped file), so no rank ever materialises the whole model; replicated
+tensors (embedding, norms, LM head, row-parallel biases) are read whole by every rank.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from safetensors import safe_open
 
 from static_decode.config import LlamaConfig, eos_ids
 from static_decode.model import Llama, hf_name
+from static_decode.parallel import SINGLE, TensorParallel, shard_dim
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -94,23 +99,29 @@ def load_model(
     *,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> Llama:
     """Load a Llama-family checkpoint written by transformers' save_pretrained.
 
     dtype defaults to the checkpoint's (that of its embedding); device defaults to the CPU. EOS ids land in
-    `model.config.eos_token_ids`. Raises, naming the key, on an unsupported architecture or rope type, a
-    missing, unexpected or mis-shaped tensor.
+    `model.config.eos_token_ids`. With `tp`, the model is this rank's shard (see static_decode.parallel) and
+    only its slices are read. Raises, naming the key, on an unsupported architecture or rope type, a
+    missing, unexpected or mis-shaped tensor, or a tensor-parallel world size that does not fit the model.
     """
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"checkpoint directory {root} does not exist")
     config = load_config(root)
+    if not isinstance(tp, TensorParallel):
+        raise TypeError(f"tp must be a static_decode.parallel.TensorParallel, got {type(tp).__name__}")
+    tp.check(config)  # before any tensor is read
     files = weight_files(root)
     dtype = parse_dtype(dtype)
     device = torch.device(device if device is not None else "cpu")
 
-    meta = Llama(config, dtype=torch.float32, device="meta")
+    meta = Llama(config, dtype=torch.float32, device="meta")  # whole-model shapes: what the files must hold
     wanted = {hf_name(name): tuple(p.shape) for name, p in meta.named_parameters()}
+    split = {hf_name(name): shard_dim(name) for name, _ in meta.named_parameters()}
     missing = [k for k in wanted if k not in files]
     if missing:
         raise KeyError(f"checkpoint {root} lacks tensor(s): {', '.join(missing)}")
@@ -149,12 +160,21 @@ def load_model(
     for file, keys in by_file.items():
         with safe_open(file, framework="pt") as f:
             for key in keys:
-                tensors[key] = f.get_tensor(key).to(device=device, dtype=dtype)
-    model = Llama(config, dtype=dtype, device="meta")
+                tensors[key] = _read(f, key, split[key], wanted[key], tp).to(device=device, dtype=dtype)
+    model = Llama(config, dtype=dtype, device="meta", tp=tp)
     state = {name: tensors[hf_name(name)] for name, _ in model.named_parameters()}
     model.load_state_dict(state, strict=True, assign=True)
     model.reset_rope()
     return model.eval().requires_grad_(False)
+
+
+def _read(f, key: str, dim: int | None, shape: tuple[int, ...], tp: TensorParallel) -> torch.Tensor:
+    """Tensor `key` of an open safetensors file, or only this rank's slice along `dim` of it."""
+    if dim is None or not tp.enabled:
+        return f.get_tensor(key)
+    start, stop = tp.span(shape[dim])
+    part = f.get_slice(key)
+    return part[start:stop] if dim == 0 else part[:, start:stop]
 
 
 def load_tokenizer(path: str | Path):  # -> tokenizers.Tokenizer | None

@@ -9,6 +9,11 @@ writes every layer's K/V at the old lengths, attends with lens_after = cache.len
 `cache.layer_view(layer, read_len)`, advances the device lengths once, and returns logits [B, T, V]. Positions
 come from cache.lens on the device. It never reads a tensor back to the host. `forward` is the checked host
 wrapper around it.
+
+Tensor parallelism (`tp`, static_decode.parallel): a rank builds only its slice of the attention and MLP
+weights (its KV heads with their query heads, its slice of the MLP's inner width) and adds the partial sums of
+o_proj and down_proj with one all-reduce each; everything else, and so the step's logits, is the same on
+every rank. At world 1 the code path is exactly the single-process one.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from static_decode import rope
 from static_decode.attention import DEFAULT_IMPL, IMPLS, grouped_attention
 from static_decode.cache import IntsLike, StaticKVCache
 from static_decode.config import LlamaConfig
+from static_decode.parallel import SINGLE, TensorParallel
 
 
 def hf_name(name: str) -> str:
@@ -45,18 +51,30 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class Attention(nn.Module):
-    """Rotary GQA self-attention whose K/V live in the static cache."""
+def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """A row-parallel projection: this rank's partial product, summed over the ranks, then the bias (once)."""
+    if not tp.enabled:
+        return linear(x)
+    out = tp.all_reduce(F.linear(x, linear.weight))
+    return out if linear.bias is None else out + linear.bias
 
-    def __init__(self, cfg: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str | None) -> None:
+
+class Attention(nn.Module):
+    """Rotary GQA self-attention whose K/V live in the static cache (this rank's heads under `tp`)."""
+
+    def __init__(
+        self, cfg: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str | None, tp: TensorParallel
+    ) -> None:
         super().__init__()
-        d, hq, hkv, bias = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias
+        # Local heads: whole GQA groups per rank (tp.check refused a world size that would split one).
+        d, hq, hkv = cfg.head_dim, cfg.num_heads // tp.world, cfg.num_kv_heads // tp.world
+        bias = cfg.attention_bias
         kw = {"dtype": dtype, "device": device}
-        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=bias, **kw)
-        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=bias, **kw)
-        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=bias, **kw)
-        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=bias, **kw)
-        self.heads, self.kv_heads, self.head_dim = hq, hkv, d
+        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=bias, **kw)  # column-parallel
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=bias, **kw)  # column-parallel
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=bias, **kw)  # column-parallel
+        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=bias, **kw)  # row-parallel
+        self.heads, self.kv_heads, self.head_dim, self.tp = hq, hkv, d, tp
 
     def forward(
         self,
@@ -78,39 +96,47 @@ class Attention(nn.Module):
         cache.write(layer, k, v, n_new)  # at the old lengths; padded slots go to the spare row
         k_all, v_all = cache.layer_view(layer, read_len)  # [B, Hkv, read_len, d] views
         out = grouped_attention(q, k_all, v_all, lens_after, n_new, impl=impl)  # [B, Hq, T, d]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)  # [B, T, Hq_local * d]
+        return row_parallel(self.o_proj, out, self.tp)  # [B, T, D], summed over the ranks
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)) (this rank's slice of the inner width under `tp`)."""
 
-    def __init__(self, cfg: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str | None) -> None:
+    def __init__(
+        self, cfg: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str | None, tp: TensorParallel
+    ) -> None:
         super().__init__()
         kw = {"bias": cfg.mlp_bias, "dtype": dtype, "device": device}
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+        inner = cfg.intermediate_size // tp.world
+        self.gate_proj = nn.Linear(cfg.hidden_size, inner, **kw)  # column-parallel
+        self.up_proj = nn.Linear(cfg.hidden_size, inner, **kw)  # column-parallel
+        self.down_proj = nn.Linear(inner, cfg.hidden_size, **kw)  # row-parallel
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return row_parallel(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), self.tp)
 
 
 class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
 
-    def __init__(self, cfg: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str | None) -> None:
+    def __init__(
+        self, cfg: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str | None, tp: TensorParallel
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = Attention(cfg, dtype=dtype, device=device)
+        self.self_attn = Attention(cfg, dtype=dtype, device=device, tp=tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = MLP(cfg, dtype=dtype, device=device)
+        self.mlp = MLP(cfg, dtype=dtype, device=device, tp=tp)
 
 
 class Llama(nn.Module):
     """A Llama-family causal LM whose attention reads and writes a `StaticKVCache`.
 
     `attn_impl` picks the core attention formulation ("matmul" or "sdpa"); it is a runtime choice, not part of
-    the checkpoint.
+    the checkpoint. `tp` makes this the rank's shard of a tensor-parallel model (static_decode.parallel); a
+    world size that does not divide the KV heads (or the MLP width) is refused here.
     """
 
     inv_freq: torch.Tensor
@@ -122,6 +148,7 @@ class Llama(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         attn_impl: str = DEFAULT_IMPL,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         if not isinstance(config, LlamaConfig):
@@ -130,15 +157,18 @@ class Llama(nn.Module):
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         if attn_impl not in IMPLS:
             raise ValueError(f"attn_impl must be one of {IMPLS}, got {attn_impl!r}")
-        self.config, self.attn_impl = config, attn_impl
+        if not isinstance(tp, TensorParallel):
+            raise TypeError(f"tp must be a static_decode.parallel.TensorParallel, got {type(tp).__name__}")
+        tp.check(config)
+        self.config, self.attn_impl, self.tp = config, attn_impl, tp
         kw = {"dtype": dtype, "device": device}
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
-        self.layers = nn.ModuleList(Block(config, **kw) for _ in range(config.num_layers))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)  # replicated
+        self.layers = nn.ModuleList(Block(config, **kw, tp=tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)  # replicated
         )
         self.register_buffer("inv_freq", torch.empty(config.head_dim // 2, device=device), persistent=False)
         self.reset_rope()
@@ -156,12 +186,17 @@ class Llama(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    @property
+    def kv_heads(self) -> int:
+        """KV heads this process holds (all of them at world 1, num_kv_heads / world under tp)."""
+        return self.config.num_kv_heads // self.tp.world
+
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
-        """A cache sized for this model: every layer's K and V in one allocation each."""
+        """A cache sized for this model (this rank's KV heads): every layer's K and V in one allocation each."""
         c = self.config
         return StaticKVCache(
             batch,
-            c.num_kv_heads,
+            self.kv_heads,
             max_len,
             c.head_dim,
             layers=c.num_layers,
@@ -201,7 +236,7 @@ class Llama(nn.Module):
     def check_cache(self, cache: StaticKVCache) -> None:
         """Refuse a cache that was not made for this model (shape, dtype or device)."""
         c = self.config
-        want = (c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        want = (c.num_layers, self.kv_heads, c.head_dim, self.dtype, self.device)
         got = (cache.layers, cache.kv_heads, cache.head_dim, cache.dtype, cache.device)
         if want != got:
             raise ValueError(

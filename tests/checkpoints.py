@@ -31,9 +31,12 @@ def hf_llama(
     eos: int | list[int] | None = None,
     layers: int = 2,
     vocab: int = VOCAB,
+    kv_heads: int = 2,
+    bias: bool = False,
 ):
-    """A random transformers LlamaForCausalLM: hidden 64, GQA 8 query / 2 KV heads, weights large enough that
-    logits spread over several units (so a 1e-4 agreement is not trivially met by near-zero logits)."""
+    """A random transformers LlamaForCausalLM: hidden 64, GQA 8 query / 2 KV heads (kv_heads to change), weights
+    large enough that logits spread over several units (so a 1e-4 agreement is not trivially met by near-zero
+    logits). bias=True: every projection has a (random, nonzero) bias."""
     import transformers
 
     torch.manual_seed(seed)
@@ -43,7 +46,7 @@ def hf_llama(
         intermediate_size=128,
         num_hidden_layers=layers,
         num_attention_heads=8,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         max_position_embeddings=512,
         rope_theta=500000.0 if rope == "llama3" else 10000.0,
@@ -53,8 +56,16 @@ def hf_llama(
         bos_token_id=None,
         eos_token_id=eos,
         pad_token_id=None,
+        attention_bias=bias,
+        mlp_bias=bias,
     )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    if bias:  # transformers initialises biases to zero, which would hide a bias added once per rank
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.2)
+    return model
 
 
 def save(model, path: Path, **kwargs) -> Path:

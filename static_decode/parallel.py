@@ -1,0 +1,133 @@
+"""Tensor parallelism (Megatron-style): which slice of each weight a rank holds, and the one collective.
+
+Layout over `world` ranks (rank r holds the r-th contiguous slice):
+
+* column-parallel (split by output features, dim 0 of the weight): q_proj, k_proj, v_proj, gate_proj, up_proj
+  (and their biases). Each rank computes its own query/KV heads and its own slice of the MLP's inner width.
+* row-parallel (split by input features, dim 1): o_proj, down_proj. Each rank's product is a partial sum of the
+  full output; one all-reduce after attention and one after the MLP add them up (biases are added once, after
+  the sum).
+* replicated: the embedding, every RMSNorm, the LM head. Replicating the head costs memory and bandwidth
+  (Llama-3-70B bf16: 2.1 GB per rank, vs 17.5 GB of sharded weights at 8 ranks) but every rank then holds the
+  full logits and samples the same token with the same counter-hash noise (static_decode.sampling), so no
+  all-gather of logits and no broadcast of tokens is needed inside the step, and each rank feeds its next
+  token from its own device buffer. A vocab-split head (an all-gather of [B, V] logits, or a distributed
+  argmax) is the way to save that memory when it matters.
+
+KV heads are split so that each rank keeps whole GQA groups: rank r holds KV heads [r*Hkv/W, (r+1)*Hkv/W) and
+query heads [r*Hq/W, (r+1)*Hq/W), and query head h = kv*G + g sits on the rank of KV head h // G. Each rank's
+`StaticKVCache` holds only its KV heads, so cache memory per rank is total / world.
+
+The all-reduce is `torch.distributed._functional_collectives.all_reduce`: a functional op that torch.compile
+traces into the graph (an all_reduce + wait_tensor pair), so a compiled step keeps its collectives inside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from static_decode.config import LlamaConfig
+
+# Parameter-name suffixes by the weight dimension split across ranks (everything else is replicated).
+COLUMN_PARALLEL = (
+    "q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
+    "gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias",
+)  # fmt: skip
+ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+
+
+def shard_dim(name: str) -> int | None:
+    """The dimension of parameter `name` split across ranks (0 or 1), or None when it is replicated."""
+    if name.endswith(COLUMN_PARALLEL):
+        return 0
+    if name.endswith(ROW_PARALLEL):
+        return 1
+    return None
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group: rank r of `world`.
+
+    `group` is the torch.distributed process group the all-reduces run over (None: the default group). A
+    TensorParallel with world > 1 can be built without an initialised group (to load a rank's shard, or to
+    check a layout); running a step needs the group.
+    """
+
+    rank: int = 0  # this process's index in the group, 0..world-1
+    world: int = 1  # ranks sharing one model (1 = no tensor parallelism)
+    group: Any = None  # torch.distributed ProcessGroup; None = the default (WORLD) group
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "world"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"tensor-parallel {name} must be an int, got {type(value).__name__} {value!r}")
+        if self.world < 1:
+            raise ValueError(f"tensor-parallel world size must be >= 1, got {self.world}")
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"tensor-parallel rank must lie in 0..{self.world - 1}, got {self.rank}")
+
+    @classmethod
+    def current(cls) -> TensorParallel:
+        """The default process group's rank and size when torch.distributed is initialised, else world 1."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return cls(rank=dist.get_rank(), world=dist.get_world_size())
+        return cls()
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    def check(self, config: LlamaConfig) -> None:
+        """Refuse a world size that does not split the model into whole KV heads / GQA groups and MLP slices."""
+        if config.num_kv_heads % self.world:
+            raise ValueError(
+                f"tensor-parallel world size {self.world} does not divide num_kv_heads={config.num_kv_heads}: "
+                f"each rank must hold whole KV heads with their {config.groups} query heads each; use a world "
+                f"size among {divisors(config.num_kv_heads)}"
+            )
+        if config.intermediate_size % self.world:
+            raise ValueError(
+                f"tensor-parallel world size {self.world} does not divide intermediate_size="
+                f"{config.intermediate_size} (the MLP is split by its inner width)"
+            )
+
+    def span(self, total: int) -> tuple[int, int]:
+        """[start, stop) of this rank's contiguous slice of `total` (a multiple of world)."""
+        if total % self.world:
+            raise ValueError(f"{total} does not split evenly over {self.world} tensor-parallel ranks")
+        size = total // self.world
+        return self.rank * size, (self.rank + 1) * size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the ranks (identity at world 1): a functional collective torch.compile traces."""
+        if self.world == 1:
+            return x
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(x, "sum", self.group if self.group is not None else dist.group.WORLD)
+
+    def backend(self) -> str | None:
+        """The collectives backend ("nccl", "gloo", ...) of the group; None at world 1."""
+        if self.world == 1:
+            return None
+        import torch.distributed as dist
+
+        return str(dist.get_backend(self.group))
+
+    def describe(self) -> str:
+        return f"tensor-parallel rank {self.rank} of {self.world}" if self.enabled else "single process"
+
+
+SINGLE = TensorParallel()
+
+
+def divisors(n: int) -> list[int]:
+    return [w for w in range(1, n + 1) if n % w == 0]
