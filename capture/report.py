@@ -3,8 +3,10 @@
 `static-decode capture-report` compiles every bucket of a model's steps and prints one row per pair: compile
 (and capture) seconds, graphs, graph breaks, recompiles, cudagraph skips and, on CUDA, the device memory the
 capture reserved (graph pool included). `--json PATH` writes it; `--check BASELINE.json` exits non-zero
-when the pairs, or the graphs / graph breaks / cudagraph skips of any pair, differ from the baseline. Seconds,
-memory and recompiles are reported, never compared (they depend on the machine and the torch release).
+when the pairs, or the graphs / graph breaks / cudagraph skips / eager fallback of any pair, differ from the
+baseline. Seconds, memory and recompiles are reported, never compared (they depend on the machine and the
+torch release). Under torchrun it reports a tensor-parallel rank's steps (all-reduces inside), and the "runs"
+column says "eager (why)" for a kind whose compile or capture failed and fell back.
 """
 
 from __future__ import annotations
@@ -207,16 +209,19 @@ def run_capture_report(args: Any) -> int:
     path = args.model or default_model_path()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    launch = getattr(args, "launch", None)  # under torchrun: this rank's shard, device and collectives
+    device = launch.device if launch else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     baseline = CaptureReport.read_json(args.check) if args.check else None  # a bad baseline fails first
-    model = load_model(path, dtype=args.dtype, device=device)
+    model = load_model(path, dtype=args.dtype, device=device, **({"tp": launch.tp} if launch else {}))
     report = build_report(
         model, max_len=args.max_len, chunk_size=args.chunk_size, batch=args.batch, buckets=args.buckets,
         kinds=args.kinds, progress=not args.quiet,
     )
     report.meta["model"] = "embedded default" if args.model is None else str(path)
-    Console(width=max(100, Console().width)).print(report.table())
-    if args.json:
+    if launch is not None:
+        report.meta["tensor_parallel"] = {"world": launch.tp.world, "backend": launch.backend}
+    Console(width=max(100, Console().width)).print(report.table())  # rank 0's (the others print to /dev/null)
+    if args.json and (launch is None or launch.is_main):
         report.write_json(args.json)
     if baseline is None:
         return 0
@@ -228,7 +233,8 @@ def run_capture_report(args: Any) -> int:
         print(f"capture-report --check {args.check}: {line}", file=sys.stderr)
     if diffs:
         return 1
-    print(f"capture-report --check {args.check}: graphs, graph breaks and cudagraph skips match", file=sys.stderr)
+    print(f"capture-report --check {args.check}: graphs, graph breaks, cudagraph skips and fallbacks match",
+          file=sys.stderr)
     return 0
 
 
@@ -249,4 +255,4 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--json", type=_Path, default=None, help="write the report as JSON to this path")
     p.add_argument("--check", type=_Path, default=None, help="baseline JSON: exit 1 if graphs/breaks/skips differ")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(run=run_capture_report)
+    p.set_defaults(run=run_capture_report, distributed=True)

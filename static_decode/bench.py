@@ -16,6 +16,10 @@ machine hits all of them alike. Every system's tokens are compared with `static-
 With profiles/ present (a source checkout) the run also times decode attention alone at Llama-3.1-8B head
 shape against the machine's read bandwidth (profiles/attention_bench.py) for the JSON's "attention" rows.
 Tables, the plot and the targets live in static_decode.bench_report.
+
+Under torchrun (`torchrun --nproc-per-node N -m static_decode bench ...`) every rank loads its shard and runs
+the tensor-parallel systems (TP_SYSTEMS) in lockstep; the single-process baselines and the attention rows
+are skipped with a note, and rank 0 prints and writes the JSON.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import numpy as np
 import torch
 
 from static_decode import ranges
-from static_decode.bench_systems import SYSTEMS, System, build, load_profiles_module
+from static_decode.bench_systems import SYSTEMS, TP_SYSTEMS, System, build, load_profiles_module
+from static_decode.parallel import SINGLE, TensorParallel
 
 DEFAULT_CONTEXTS = (128, 512, 1024, 1920)  # max_len / 16 = 128 included
 ATTENTION_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -61,6 +66,7 @@ class BenchConfig:
     progress: bool = True
     profile: Path | None = None  # torch.profiler Chrome trace of PROFILE_STEPS decode steps of the first system
     wait_idle: float = 0.0  # before each timed request wait up to this many s for the CPUs to be idle (shared hosts)
+    tp: TensorParallel = SINGLE  # under torchrun: this rank's place (static_decode.launch)
 
     def __post_init__(self) -> None:
         for name in ("max_len", "steps", "repeats"):
@@ -212,14 +218,17 @@ def run(config: BenchConfig) -> dict[str, Any]:
     from static_decode.cli import default_model_path
     from static_decode.loading import load_model
 
-    threads = config.threads or os.cpu_count() or 1
+    tp = config.tp
+    threads = config.threads or max(1, (os.cpu_count() or 1) // tp.world)  # ranks share the host's cores
     torch.set_num_threads(threads)
     path = config.model or default_model_path()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     doc: dict[str, Any] = {"machine": machine(threads, device)}
-    model = load_model(path, dtype=config.dtype, device=device)
+    model = load_model(path, dtype=config.dtype, device=device, tp=tp)
+    if tp.enabled:
+        doc["machine"]["tensor_parallel"] = {"world": tp.world, "backend": tp.backend()}
     c = model.config
     prompt, source = make_prompt(path, c.vocab_size, max(config.contexts))
     doc["model"] = {
@@ -243,9 +252,12 @@ def run(config: BenchConfig) -> dict[str, Any]:
         for name in config.systems:
             advance(f"setting up {name}", 0)
             t0 = time.perf_counter()
-            with ranges.range(ranges.bench_name("setup")):
-                system, why = build(name, model, path=path, max_len=config.max_len, settings=config.settings,
-                                    transformers_compile=config.transformers_compile)
+            if tp.enabled and name not in TP_SYSTEMS:
+                system, why = None, "skipped: not tensor-parallel (it runs the whole model in one process)"
+            else:
+                with ranges.range(ranges.bench_name("setup")):
+                    system, why = build(name, model, path=path, max_len=config.max_len, settings=config.settings,
+                                        transformers_compile=config.transformers_compile)
             entry = {"system": name, "setup_s": round(time.perf_counter() - t0, 2)}
             doc["systems"].append(entry | ({"mode": system.mode} if system else {"skipped": why}))
             advance(f"{name} ready", 1 + (0 if system else len(config.contexts) * config.repeats))
@@ -313,6 +325,9 @@ def _attention(config: BenchConfig, device: torch.device, notes: list[str]) -> l
     """Decode attention alone at Llama-3.1-8B head shape vs read bandwidth (profiles/attention_bench.py)."""
     if config.attention_lengths is None:
         return []
+    if config.tp.enabled:
+        notes.append("attention: skipped under tensor parallelism (it times one device's attention)")
+        return []
     bench = load_profiles_module("attention_bench")
     if bench is None:
         notes.append("attention: skipped (profiles/attention_bench.py is only in a source checkout)")
@@ -338,12 +353,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("bench", help="decode latency and prefill of every system side by side")
     add_arguments(p)
-    p.set_defaults(run=run_cli)
+    p.set_defaults(run=run_cli, distributed=True)
 
 
 def run_cli(args: argparse.Namespace) -> int:
     from static_decode.bench_report import config_from_args, report
 
-    doc = run(config_from_args(args))
-    report(doc, json_path=args.json, plot_path=args.plot)
+    config = config_from_args(args)
+    launch = getattr(args, "launch", None)  # under torchrun: this rank's shard and device
+    if launch is not None:
+        config.tp, config.device = launch.tp, str(launch.device)
+    doc = run(config)
+    if launch is None or launch.is_main:  # one rank writes the files
+        report(doc, json_path=args.json, plot_path=args.plot)
     return 0

@@ -83,7 +83,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def command(config: BenchConfig, threads: int) -> str:
     """The command line that repeats this run (output paths left out)."""
-    parts = ["static-decode bench", f"--contexts {','.join(map(str, config.contexts))}",
+    launcher = f"torchrun --nproc-per-node {config.tp.world} -m static_decode" if config.tp.enabled else "static-decode"
+    parts = [f"{launcher} bench", f"--contexts {','.join(map(str, config.contexts))}",
              f"--max-len {config.max_len}", f"--steps {config.steps}", f"--repeats {config.repeats}",
              f"--warmup {config.warmup}", f"--systems {','.join(config.systems)}", f"--threads {threads}"]
     parts += [f"--model {config.model}"] if config.model else []

@@ -35,6 +35,7 @@ from static_decode.generator import Generator
 from static_decode.model import Llama
 
 SYSTEMS = ("static-decode", "static-decode-eager", "full-read", "concat", "transformers")
+TP_SYSTEMS = ("static-decode", "static-decode-eager", "full-read")  # the ones that run a tensor-parallel shard
 GREEDY_KINDS = ("prefill", "first_greedy", "decode_greedy")
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"  # only in a source checkout
 
