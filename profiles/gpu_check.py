@@ -14,7 +14,8 @@ measured in the same run ((read + write) bytes / time): how close a step is to t
 `--tiny --device cpu` runs the same logic on a toy shape (tests/test_gpu_check.py).
 
 Writes gpu_check.json and gpu_check.md to --out (default: $OUT, else ./out); each result is written as soon
-as it exists, so a run cut short still leaves what it measured.
+as it exists, so a run cut short still leaves what it measured. The multi-GPU (tensor-parallel) check is
+profiles/gpu_check_tp.py.
 """
 
 from __future__ import annotations
