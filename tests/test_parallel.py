@@ -1,9 +1,9 @@
 """Tensor parallelism over torch.distributed (gloo on the CPU): the shards add up to the single-process model.
 
 Pins:
-* 2 and 4 spawned ranks emit exactly the single-process Generator's greedy tokens (eager and compiled), every
-  rank the same, and their chunked-prefill logits agree within float32 tolerance (biases on, so a bias added
-  on every rank instead of once would show);
+* 2 and 4 spawned ranks emit exactly the single-process Generator's greedy tokens (eager and compiled) and
+  sampled tokens (same seed), every rank the same, and their chunked-prefill logits agree within float32
+  tolerance (biases on, so a bias added on every rank instead of once would show);
 * the compiled steps keep their all-reduces inside one graph per (kind, bucket): 2 per layer in every
   model step, none in `first_greedy` (the head is replicated), no graph break, no fallback;
 * each rank's cache holds world-th of the KV heads and bytes, and its weights are the sharded ones;
@@ -43,6 +43,8 @@ def _same_as_single(ranks, ref, world):
     for r, got in enumerate(ranks):
         assert (got["rank"], got["world"]) == (r, world)
         assert got["eager"] == ref["eager"], f"rank {r} greedy tokens differ from the single process"
+        # Every rank samples from the same (all-reduced) logits with the same counter-hash noise.
+        assert got["sampled"] == ranks[0]["sampled"] == ref["sampled"], f"rank {r} sampled other tokens"
         for a, b in zip(got["logits"], ref["logits"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert got["cache_heads"] == CFG.num_kv_heads // world

@@ -55,6 +55,7 @@ def results(ckpt: Path, tp: TensorParallel, compile_mode: str | None) -> dict[st
         out["logits"] = [model(torch.tensor(t), cache, n) for t, n in FORWARD_CHUNKS]
     gen = Generator(model, max_len=MAX_LEN, chunk_size=CHUNK, eos_token_ids=[])
     out["eager"] = gen.generate(PROMPTS, NEW_TOKENS)
+    out["sampled"] = gen.generate(PROMPTS, NEW_TOKENS, temperature=0.9, top_p=0.9, seed=3)
     out["cache_bytes"] = gen.cache.k.nbytes + gen.cache.v.nbytes
     out["cache_heads"] = gen.cache.kv_heads
     out["weight_elements"] = sum(p.numel() for p in model.parameters())
