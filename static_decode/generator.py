@@ -93,6 +93,7 @@ class Generator:
     ) -> None:
         if not isinstance(model, Llama):
             raise TypeError(f"model must be a static_decode.Llama, got {type(model).__name__}")
+        model.tp.require_group()  # a tensor-parallel shard needs its process group for every step
         self.model = model
         self.max_len = _int("max_len", max_len, 2)
         self.chunk_size = _int("chunk_size", chunk_size, 1)

@@ -253,6 +253,7 @@ class Llama(nn.Module):
         read_len defaults to the longest row after the chunk. On any error nothing is written.
         """
         self.check_cache(cache)
+        self.tp.require_group()
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
             raise ValueError(
                 f"tokens must be an int64 tensor [B, T], got {getattr(tokens, 'dtype', type(tokens))} "

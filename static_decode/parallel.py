@@ -98,6 +98,21 @@ class TensorParallel:
                 f"{config.intermediate_size} (the MLP is split by its inner width)"
             )
 
+    def require_group(self) -> None:
+        """Refuse to run a shard's step without the process group its all-reduces need (world 1: nothing)."""
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"this model is the shard of tensor-parallel rank {self.rank} of {self.world}, but torch.distributed "
+                "is not initialised: launch with torchrun and call torch.distributed.init_process_group first"
+            )
+        size = dist.get_world_size(self.group)
+        if size != self.world:
+            raise RuntimeError(f"the process group has {size} ranks, this shard was built for {self.world}")
+
     def span(self, total: int) -> tuple[int, int]:
         """[start, stop) of this rank's contiguous slice of `total` (a multiple of world)."""
         if total % self.world:

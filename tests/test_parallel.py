@@ -20,7 +20,7 @@ import safetensors
 import torch
 
 import static_decode.loading as loading
-from static_decode import Llama, LlamaConfig, load_model
+from static_decode import Generator, Llama, LlamaConfig, load_model
 from static_decode.parallel import SINGLE, TensorParallel, shard_dim
 from tests import tp_worker
 from tests.checkpoints import hf_llama, save
@@ -182,6 +182,17 @@ def test_world_not_dividing_kv_heads_is_refused_before_reading(ckpt, monkeypatch
 def test_bad_rank_or_world_is_refused(rank, world, error):
     with pytest.raises(error, match="tensor-parallel"):
         TensorParallel(rank=rank, world=world)
+
+
+def test_a_shard_without_its_process_group_is_refused():
+    model = Llama(CFG, tp=TensorParallel(rank=1, world=2))
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match=r"shard of tensor-parallel rank 1 of 2, but .*torchrun"):
+        Generator(model, max_len=16)
+    cache = model.new_cache(1, 16)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        model(torch.zeros(1, 2, dtype=torch.int64), cache, [2])
+    assert cache.host_lens.tolist() == [0] and cache.lens.tolist() == [0]
 
 
 def test_single_process_is_unchanged():
