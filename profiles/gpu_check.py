@@ -105,14 +105,19 @@ def kv_bytes(cfg: LlamaConfig, length: int, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * length * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(description: str) -> argparse.ArgumentParser:
+    """The options of this script and of gpu_check_tp.py."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--tiny", action="store_true", help="a toy shape (for CPU tests of this script)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=None, help="decode steps timed per case (default 50, tiny 5)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (eager: logic tests only)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = parser(__doc__.splitlines()[0]).parse_args()
     device = torch.device(args.device)
     sh = shape(args.tiny)
     steps = args.steps or (5 if args.tiny else 50)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import traceback
@@ -33,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
-from gpu_check import Timer, copy_bandwidth, kv_bytes, shape, time_decode, weight_bytes_per_token  # noqa: E402
+from gpu_check import Timer, copy_bandwidth, kv_bytes, parser, shape, time_decode, weight_bytes_per_token  # noqa: E402
 
 from capture import BucketLadder, CaptureOptions, CompileSettings  # noqa: E402
 from static_decode import Generator, Llama  # noqa: E402
@@ -42,13 +41,7 @@ from static_decode.parallel import TensorParallel  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="a toy shape (for CPU tests of this script)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--steps", type=int, default=None, help="decode steps timed per case (default 50, tiny 5)")
-    ap.add_argument("--backend", default="inductor", help="torch.compile backend (eager: logic tests only)")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
-    return main_tp(ap.parse_args())
+    return main_tp(parser(__doc__.splitlines()[0]).parse_args())
 
 
 def main_tp(args: argparse.Namespace) -> int:
