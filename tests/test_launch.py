@@ -2,10 +2,10 @@
 
 Pins: two gloo ranks print exactly what the single process prints, once (rank 0 only; the others are silent),
 and the summary names the tensor-parallel group; capture-report compiles each rank's steps and rank 0 writes
-one report saying so; a world size that does not divide the KV heads fails on every
-rank with the reason and the rank; torchrun's variables are read strictly (absent or WORLD_SIZE=1: a single
-process, nothing distributed starts); a rank asking for a GPU the machine lacks is refused naming the count; a
-command that cannot run sharded refuses to start under torchrun.
+one report saying so; bench runs the tensor-parallel systems and skips the rest with a note; a world size that
+does not divide the KV heads fails on every rank with the reason and the rank; torchrun's variables are read
+strictly (absent or WORLD_SIZE=1: a single process, nothing distributed starts); a rank asking for a GPU the
+machine lacks is refused naming the count; a command that cannot run sharded refuses to start under torchrun.
 """
 
 from __future__ import annotations
@@ -71,6 +71,25 @@ def test_capture_report_on_two_ranks(ckpt, tmp_path):
         ("first_greedy", 0, 1, 0, ""), ("decode_greedy", 16, 1, 0, "")
     ]
     assert run.stdout.count("capture:") == 1  # one table: rank 0's
+
+
+def test_bench_on_two_ranks(ckpt, tmp_path):
+    """The tensor-parallel systems run on every rank (dynamo-only compile to keep it short), the single-process
+    baselines and the attention rows are skipped with a note, rank 0 writes the JSON, tokens match."""
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", str(ckpt), "--contexts", "6", "--max-len", "32", "--steps", "4", "--repeats", "1",
+            "--compile-backend", "eager", "--attention-lengths", "64", "--quiet", "--json", str(out)]
+    run = subprocess.run([sys.executable, *_torchrun(2), "-m", "static_decode", *args], env=_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["tensor_parallel"] == {"world": 2, "backend": "gloo"}
+    assert doc["bench"]["command"].startswith("torchrun --nproc-per-node 2 -m static_decode bench")
+    assert [r["system"] for r in doc["rows"]] == ["static-decode", "static-decode-eager", "full-read"]
+    assert all(r["tokens_match"] is True for r in doc["rows"])
+    skipped = {s["system"]: s.get("skipped", "") for s in doc["systems"]}
+    assert all("not tensor-parallel" in skipped[name] for name in ("concat", "transformers"))
+    assert doc["attention"] == [] and any("attention: skipped under tensor parallelism" in n for n in doc["notes"])
 
 
 def test_world_size_not_dividing_kv_heads_fails_on_every_rank(ckpt):
