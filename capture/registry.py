@@ -29,8 +29,9 @@ Fallback (`fallback=True`, the Generator's default for a tensor-parallel model):
 kind fails (a collectives backend that a graph cannot hold, say), that kind runs its eager step from then on,
 and every record of it carries the reason (`CaptureRecord.fallback`, shown by capture-report and compared by
 its --check). Compile errors surface at the first call, before the step runs; a failure later in a CUDA-graph
-record happens inside warm-up's scratch state, so warm up (the default) when you rely on fallback. Without
-fallback a failure raises, as a regression guard should.
+record happens inside warm-up's scratch state, so warm up (the default) when you rely on fallback. Every rank
+of a tensor-parallel group compiles the same graphs with the same settings, so ranks fall back alike and
+their collectives stay matched. Without fallback a failure raises, as a regression guard should.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ with `args.launch` telling them their rank, device and shard; the others refuse 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 from collections.abc import Sequence
@@ -195,17 +196,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        session = launch.session(getattr(args, "device", None))
-        where = session.__enter__()
-    except ValueError as e:  # a device this rank cannot have
-        print(f"static-decode {args.command} [rank {env[0]}]: error: {e}", file=sys.stderr)
-        return 2
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            where = stack.enter_context(launch.session(getattr(args, "device", None)))
+        except ValueError as e:  # a device this rank cannot have
+            print(f"static-decode {args.command} [rank {env[0]}]: error: {e}", file=sys.stderr)
+            return 2
         args.launch = where
         return _run(args, where.stderr, f" [rank {where.tp.rank}]")
-    finally:
-        session.__exit__(None, None, None)
 
 
 def _run(args: argparse.Namespace, stderr: TextIO, who: str) -> int:

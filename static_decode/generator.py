@@ -10,6 +10,11 @@ end): that is the only sync during decode, and it is also where the host notices
 Two single points the capture layer hooks into: `_read_len(longest)` (the read length of a step, rounded up
 to a captured bucket under compile=True) and `_step(kind, read_len)` (the callable to launch: the eager
 function from `steps.STEPS` when compile=False, the registry's compiled step otherwise; see capture/).
+
+A tensor-parallel model (`model.tp`, static_decode.parallel) needs nothing else here: every rank runs this same
+host loop over its own shard and cache; the step's all-reduces make the logits, hence the tokens, the same on
+every rank, so every rank takes the same decisions (EOS, read-backs, read lengths) and the collectives stay in
+step. Compiled steps of such a model fall back to eager per kind if they cannot compile (capture.StepRegistry).
 """
 
 from __future__ import annotations
