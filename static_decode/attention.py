@@ -87,7 +87,10 @@ def _sdpa_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     m = mask[:, None, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)  # the mask (bools) per folded row
     out = F.scaled_dot_product_attention(qf, k, v, attn_mask=m).view(B, Hkv, G, T, d)
     real = mask.any(dim=-1)[:, None, None, :, None]  # [B, 1, 1, T, 1]
-    return torch.where(real, out, torch.zeros((), dtype=out.dtype, device=out.device)).view(B, Hq, T, d)
+    out = torch.where(real, out, torch.zeros((), dtype=out.dtype, device=out.device))  # [B, Hkv, G, T, d]
+    # reshape, not view: CUDA's fused SDPA kernels return [B, Hkv, G*T, d] laid out as [B, G*T, Hkv, d], so
+    # merging (Hkv, G) into Hq needs a copy there (of the output only: B*Hq*T*d elements, never K or V).
+    return out.reshape(B, Hq, T, d)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

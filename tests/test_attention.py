@@ -153,3 +153,34 @@ def test_read_len_checks() -> None:
         gqa_attention(q, cache, [1], read_len=9)
     with pytest.raises(ValueError, match="impl"):
         gqa_attention(q, cache, [1], impl="flash")
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_sdpa_folded_accepts_cuda_output_layout(monkeypatch: pytest.MonkeyPatch, T: int) -> None:
+    """CUDA's fused SDPA kernels return [B, H, L, d] laid out as [B, L, H, d]; a `.view` merging (Hkv, G) into
+    Hq fails on that layout (seen on an H200: every compiled prefill chunk failed). Emulated here on the CPU."""
+    import torch.nn.functional as F
+
+    import static_decode.attention as attention_module
+
+    real_sdpa = F.scaled_dot_product_attention
+
+    def cuda_layout_sdpa(*args, **kw):
+        out = real_sdpa(*args, **kw)  # [B, Hkv, G*T, d]
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, strides of [B, G*T, Hkv, d]
+
+    rng = np.random.default_rng(3)
+    batch, hkv, g, d = 3, 2, 2, 8
+    cache = StaticKVCache(batch, hkv, 32, d, dtype=torch.float64)
+    n = [T, max(T - 3, 0), 1]
+    k_new, v_new = (torch.from_numpy(x) for x in rng.standard_normal((2, batch, hkv, T, d)))
+    cache.append(k_new, v_new, n)
+    q = torch.from_numpy(rng.standard_normal((batch, hkv * g, T, d)))
+    expected = gqa_attention(q, cache, n, impl="matmul")
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", cuda_layout_sdpa)
+    out = gqa_attention(q, cache, n, impl="sdpa_folded")
+    compiled = torch.compile(attention_module.grouped_attention, backend="aot_eager", fullgraph=True)
+    k, v = cache.layer_view(0, cache.max_len)
+    out_c = compiled(q, k, v, cache.lens, torch.tensor(n), impl="sdpa_folded")
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
+    torch.testing.assert_close(out_c, expected, atol=1e-10, rtol=0)
