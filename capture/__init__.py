@@ -1,43 +1,38 @@
 """capture: compiled fixed-shape steps, one graph per (step kind, read bucket), and compile-regression guards.
 
 * `BucketLadder` (capture.buckets): which read lengths get a graph.
-* `CompileSettings` (capture.settings): torch.compile arguments per device.
-* `StepRegistry` (capture.registry): compiles, warms up and runs the steps.
+* `CompileSettings`, `CaptureOptions` (capture.settings): torch.compile arguments per device; what to capture.
+* `StepRegistry` (capture.registry): compiles, warms up and runs steps.
+* `CompiledRunner` (capture.runner): the generator's steps compiled over one cache (the capture policy).
 * guards (capture.guards): `steady_state`, `fail_on_recompile`, `count_compiles`, `no_host_sync`, ...
-* `CaptureReport` (capture.report): per-pair records, table, JSON, baseline check.
+* `CaptureRecord`, `CaptureReport` (capture.report): per-pair records, table, JSON, baseline check.
+
+Names are imported on first use (PEP 562), so `import capture.settings` does not load torch._dynamo (the guards
+and the registry need it; a CLI's --help does not).
 """
 
-from capture.buckets import BucketLadder
-from capture.guards import (
-    CompileCounts,
-    CompileRegressionError,
-    RecompileError,
-    assert_no_cudagraph_skips,
-    assert_no_graph_breaks,
-    count_compiles,
-    fail_on_recompile,
-    no_host_sync,
-    steady_state,
-)
-from capture.registry import StepRegistry, preserving
-from capture.report import CaptureRecord, CaptureReport
-from capture.settings import CaptureOptions, CompileSettings
+from __future__ import annotations
 
-__all__ = [
-    "BucketLadder",
-    "CaptureRecord",
-    "CaptureReport",
-    "CompileCounts",
-    "CompileRegressionError",
-    "CaptureOptions",
-    "CompileSettings",
-    "RecompileError",
-    "StepRegistry",
-    "assert_no_cudagraph_skips",
-    "assert_no_graph_breaks",
-    "count_compiles",
-    "fail_on_recompile",
-    "no_host_sync",
-    "preserving",
-    "steady_state",
-]
+from static_decode.exports import lazy_exports
+
+_EXPORTS = {
+    "BucketLadder": "capture.buckets",
+    "CaptureOptions": "capture.settings",
+    "CompileSettings": "capture.settings",
+    "StepRegistry": "capture.registry",
+    "preserving": "capture.registry",
+    "CompiledRunner": "capture.runner",
+    "CaptureRecord": "capture.report",
+    "CaptureReport": "capture.report",
+    "CompileCounts": "capture.guards",
+    "CompileRegressionError": "capture.guards",
+    "RecompileError": "capture.guards",
+    "assert_no_cudagraph_skips": "capture.guards",
+    "assert_no_graph_breaks": "capture.guards",
+    "count_compiles": "capture.guards",
+    "fail_on_recompile": "capture.guards",
+    "no_host_sync": "capture.guards",
+    "steady_state": "capture.guards",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -31,18 +31,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
+from static_decode.checks import check_int
 
 DEFAULT_ALIGN = 256  # rung granularity: a multiple of the attention tile sizes, small next to real contexts
 DEFAULT_GROWTH = 1.5  # worst-case read is < 1.5x the live length + align; ~16 rungs at 128k
-
-
-def _int(name: str, value: object, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -57,7 +49,7 @@ class BucketLadder:
     def __post_init__(self) -> None:
         if isinstance(self.lengths, str | bytes) or not isinstance(self.lengths, Iterable):
             raise TypeError(f"lengths must be a sequence of ints, got {type(self.lengths).__name__}")
-        lengths = tuple(_int(f"lengths[{i}]", x, minimum=1) for i, x in enumerate(self.lengths))
+        lengths = tuple(check_int(f"lengths[{i}]", x, minimum=1) for i, x in enumerate(self.lengths))
         if not lengths:
             raise ValueError("lengths must hold at least one read length (the cache capacity)")
         for i in range(1, len(lengths)):
@@ -73,8 +65,8 @@ class BucketLadder:
         cls, max_len: int, *, align: int = DEFAULT_ALIGN, growth: float = DEFAULT_GROWTH
     ) -> BucketLadder:
         """Rungs align, ceil(growth * prev / align) * align, ..., max_len (the bound: module docstring)."""
-        max_len = _int("max_len", max_len, minimum=1)
-        align = _int("align", align, minimum=1)
+        max_len = check_int("max_len", max_len, minimum=1)
+        align = check_int("align", align, minimum=1)
         if isinstance(growth, bool) or not isinstance(growth, int | float) or not math.isfinite(growth):
             raise TypeError(f"growth must be a finite number, got {growth!r}")
         if growth <= 1.0:
@@ -119,10 +111,7 @@ class BucketLadder:
 
     def bucket_for(self, length: int) -> int:
         """The smallest rung >= length (length from the host mirror: the longest row after this step)."""
-        if isinstance(length, bool) or not isinstance(length, int | np.integer):
-            raise TypeError(f"length must be an int, got {type(length).__name__}: {length!r}")
-        if length < 0:
-            raise ValueError(f"length must be >= 0, got {length}")
+        length = check_int("length", length, minimum=0)
         if length > self.max_len:
             raise ValueError(
                 f"length {length} exceeds the cache capacity max_len={self.max_len} (the last rung); "

@@ -47,9 +47,10 @@ import torch.utils._pytree as pytree
 from capture import _dynamo_counters as dc
 from capture.buckets import BucketLadder
 from capture.guards import count_compiles
-from capture.ranges import capture_range
 from capture.report import CaptureRecord, CaptureReport
 from capture.settings import CompileSettings
+from static_decode import ranges
+from static_decode.progress import console, progress_bar
 
 Pair = tuple[str, int]
 ScratchFactory = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -202,7 +203,7 @@ class StepRegistry:
         calls = CUDAGRAPH_WARMUP_CALLS if self.cudagraphs else 1
         t0 = time.perf_counter()
         scratch = self.scratch() if self.scratch is not None else contextlib.nullcontext()
-        with scratch, _progress(len(todo), enabled=progress and bool(todo)) as advance:
+        with scratch, progress_bar("capture", len(todo), enabled=progress and bool(todo)) as advance:
             for kind, read_len in todo:
                 # The runner is looked up at each call: a fallback inside _measure swaps it for the eager one.
                 _, record = self._measure(
@@ -217,14 +218,14 @@ class StepRegistry:
             device=str(self.device),
         )
         if progress and todo:
-            _console().print(f"[capture] {report.summary()}")
+            console().print(f"[capture] {report.summary()}")
         return report
 
     def _measure(self, pair: Pair, call: Callable[[], Any], *, calls: int) -> tuple[Any, CaptureRecord]:
         kind, read_len = pair
         mem0 = _reserved(self.device)
         out = None
-        with capture_range(kind, read_len), count_compiles() as counter, torch.no_grad():
+        with ranges.range(ranges.capture_name(kind, read_len)), count_compiles() as counter, torch.no_grad():
             t0 = time.perf_counter()
             try:
                 for _ in range(calls if kind not in self.fallbacks else 1):
@@ -258,7 +259,7 @@ class StepRegistry:
         why = f"{type(error).__name__}: {lines[0] if lines else ''}"
         self.fallbacks[kind] = why[:200]
         self._runners[kind] = self._runner(kind, eager=True)
-        _console().print(f"[capture] step {kind!r} runs eagerly: {self.fallbacks[kind]}")
+        console().print(f"[capture] step {kind!r} runs eagerly: {self.fallbacks[kind]}")
 
 
 def _reserved(device: torch.device) -> int | None:
@@ -266,29 +267,3 @@ def _reserved(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return int(torch.cuda.memory_reserved(device))
-
-
-def _console() -> Any:
-    from rich.console import Console
-
-    return Console(stderr=True)
-
-
-@contextlib.contextmanager
-def _progress(total: int, *, enabled: bool) -> Iterator[Callable[[str], None]]:
-    """A rich progress bar over the pairs (on stderr); `advance(text)` after each one."""
-    if not enabled:
-        yield lambda text: None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (
-        TextColumn("capture"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-    )
-    with Progress(*columns, console=_console(), transient=False) as bar:
-        task = bar.add_task("", total=total)
-        yield lambda text: bar.update(task, advance=1, description=text)

@@ -32,8 +32,8 @@ from collections.abc import Callable
 import torch
 
 from static_decode.attention import DEFAULT_IMPL, IMPLS, grouped_attention
-from static_decode.bench import IdleGate
 from static_decode.cache import StaticKVCache
+from static_decode.commands.bench_run import IdleGate
 
 HQ, HKV, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)

@@ -48,7 +48,7 @@ def _model():
         from static_decode import load_model
 
         return load_model(path, device="cpu"), "embedded default model"
-    torch.manual_seed(0)  # the default model's shape (static_decode/default_model/train.py), random weights
+    torch.manual_seed(0)  # the default model's shape (training/train_default_model.py), random weights
     cfg = LlamaConfig(
         vocab_size=256, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2,
         tie_word_embeddings=True,
@@ -89,8 +89,8 @@ def time_bare_steps(gen, steps: int = 100) -> float:
     """ms per decode step, `steps` back to back with no read-back (rows done: nothing appended, same work)."""
     import torch
 
-    bucket = gen._read_len(PROMPT_LEN + NEW_TOKENS)
-    step = gen._step("decode_greedy", bucket)
+    bucket = gen.read_len(PROMPT_LEN + NEW_TOKENS)
+    step = gen.step_fn("decode_greedy", bucket)
     args = (gen.model, gen.cache, gen.bufs, bucket)
     gen.bufs.done.fill_(True)
     gen.bufs.step.zero_()  # the output index: `steps` more steps stay inside bufs.out

@@ -34,9 +34,9 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from capture import BucketLadder, CaptureOptions, CompileSettings  # noqa: E402
-from static_decode import Generator, bench, bench_systems  # noqa: E402
-from static_decode.cli import default_model_path  # noqa: E402
-from static_decode.loading import load_model  # noqa: E402
+from static_decode import Generator  # noqa: E402
+from static_decode.commands import bench_run, bench_systems  # noqa: E402
+from static_decode.loading import default_model_path, load_model  # noqa: E402
 
 GROUPS = {
     "guards": ("TorchDynamo Cache Lookup",),
@@ -50,8 +50,8 @@ def _static_step(model, max_len: int, context: int, prompt: list[int], settings)
     opts = CaptureOptions(settings=settings, warm_up="lazy", progress=False)  # compile only what runs
     gen = Generator(model, max_len=max_len, batch=1, compile=True, capture=opts)
     gen.generate(prompt[:context], 1, stop_at_eos=False)  # prefill; the cache now holds `context` tokens
-    read_len = gen._read_len(context + 80)  # every step below stays inside this bucket
-    step = gen._step("decode_greedy", read_len)
+    read_len = gen.read_len(context + 80)  # every step below stays inside this bucket
+    step = gen.step_fn("decode_greedy", read_len)
     return lambda: step(model, gen.cache, gen.bufs, read_len)
 
 
@@ -98,7 +98,7 @@ def main() -> None:
     path = default_model_path()
     model = load_model(path)
     contexts = [int(c) for c in args.contexts.split(",")]
-    prompt, _ = bench.make_prompt(path, model.config.vocab_size, max(contexts))
+    prompt, _ = bench_run.make_prompt(path, model.config.vocab_size, max(contexts))
     kernel_profile = CompileSettings(options={"cpp.enable_kernel_profile": True})
     hf = bench_systems.TransformersSystem(path, model.dtype, model.device, args.max_len, compile=True)
     print(f"# threads {args.threads}, max_len {args.max_len}; transformers: {hf.mode}", flush=True)

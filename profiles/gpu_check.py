@@ -177,7 +177,7 @@ def time_decode(gen: Generator, live: int, steps: int, read_len: int | None, tim
     from static_decode.steps import STEPS
 
     cache, bufs = gen.cache, gen.bufs
-    fn = STEPS["decode_greedy"] if read_len is None else gen._step("decode_greedy", read_len)
+    fn = STEPS["decode_greedy"] if read_len is None else gen.step_fn("decode_greedy", read_len)
     n = read_len if read_len is not None else live + steps
 
     def reset() -> None:

@@ -1,6 +1,6 @@
 """The multi-GPU check: tensor-parallel decode latency and the all-reduce share of a Llama-3.1-8B-shaped model.
 
-Run under torchrun with N > 1 processes (static_decode.launch: NCCL on CUDA, gloo on the CPU), is the
+Run under torchrun with N > 1 processes (static_decode.commands.launch: NCCL on CUDA, gloo on the CPU), is the
 tensor-parallel check: every rank builds its shard of the same shape and, for each live length, times
 
     eager      the eager step (its 2 * layers all-reduces included)
@@ -36,7 +36,7 @@ from gpu_check import Timer, copy_bandwidth, kv_bytes, parser, shape, time_decod
 
 from capture import BucketLadder, CaptureOptions, CompileSettings  # noqa: E402
 from static_decode import Generator, Llama  # noqa: E402
-from static_decode.launch import Launch, distributed_env, session  # noqa: E402
+from static_decode.commands.launch import Launch, distributed_env, session  # noqa: E402
 from static_decode.parallel import TensorParallel  # noqa: E402
 
 
@@ -157,10 +157,10 @@ def run_tp(args: argparse.Namespace, launch: Launch) -> int:
                           warm_up="lazy")
     t0 = time.perf_counter()
     graphs = Generator(model, max_len=sh.max_len, batch=1, compile=True, eos_token_ids=[], capture=opts)
-    graphs._registry.warm_up([("decode_greedy", b) for b in sorted(set(buckets.values()))], progress=False)
+    graphs.warm_up(["decode_greedy"], buckets=sorted(set(buckets.values())), progress=False)
     result["capture_s"] = round(over_ranks(time.perf_counter() - t0, dist.ReduceOp.MAX), 1)
     result["ladder"] = list(graph_ladder.lengths)
-    result["fallbacks"] = dict(graphs._registry.fallbacks)  # a kind that failed to compile runs eagerly
+    result["fallbacks"] = dict(graphs.runner.fallbacks)  # a kind that failed to compile runs eagerly
     try:
         chain_compiled = allreduce_chain(tp, x, calls, settings)
         result["allreduce"]["compiled"] = settings.describe()

@@ -37,8 +37,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from capture import CaptureOptions  # noqa: E402
 from static_decode import Generator, Llama, LlamaConfig, load_model  # noqa: E402
-from static_decode.bench_systems import GREEDY_KINDS  # noqa: E402
-from static_decode.cli import default_model_path  # noqa: E402
+from static_decode.commands.bench_systems import GREEDY_KINDS  # noqa: E402
+from static_decode.loading import default_model_path  # noqa: E402
 from static_decode.model import hf_name  # noqa: E402
 from static_decode.parallel import SINGLE, TensorParallel  # noqa: E402
 
@@ -155,7 +155,7 @@ def main() -> int:
     ap.add_argument("--models", default="embedded,wide", help="comma-separated: embedded, wide")
     ap.add_argument("--out", type=Path, default=ROOT / "profiles" / "tp_cpu.json")
     args = ap.parse_args()
-    from static_decode.bench import machine
+    from static_decode.commands.bench_run import machine
 
     doc: dict[str, Any] = {"machine": machine(1, torch.device("cpu")), "context": args.context,
                            "steps": args.steps, "repeats": args.repeats, "max_len": args.max_len, "rows": []}

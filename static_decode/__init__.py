@@ -1,22 +1,25 @@
-"""static-decode: grouped-query attention over a preallocated KV cache, with fixed-shape decode steps."""
+"""static-decode: grouped-query attention over a preallocated KV cache, with fixed-shape decode steps.
 
-from static_decode.attention import gqa_attention, grouped_attention
-from static_decode.cache import StaticKVCache
-from static_decode.config import LlamaConfig
-from static_decode.generator import Generator
-from static_decode.loading import load_model, load_tokenizer
-from static_decode.model import Llama
-from static_decode.parallel import TensorParallel
+The public names below are imported on first use (PEP 562): `import static_decode.cache` loads the cache
+alone, not the generator, and the core modules never depend on this package's own namespace.
+"""
 
-__all__ = [
-    "Generator",
-    "Llama",
-    "LlamaConfig",
-    "StaticKVCache",
-    "TensorParallel",
-    "gqa_attention",
-    "grouped_attention",
-    "load_model",
-    "load_tokenizer",
-]
+from __future__ import annotations
+
+from static_decode.exports import lazy_exports
+
+_EXPORTS = {
+    "Generator": "static_decode.generator",
+    "GenerationStats": "static_decode.stats",
+    "Llama": "static_decode.model",
+    "LlamaConfig": "static_decode.config",
+    "StaticKVCache": "static_decode.cache",
+    "TensorParallel": "static_decode.parallel",
+    "gqa_attention": "static_decode.attention",
+    "grouped_attention": "static_decode.attention",
+    "load_model": "static_decode.loading",
+    "load_tokenizer": "static_decode.loading",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

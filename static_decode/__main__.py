@@ -2,6 +2,6 @@
 
 import sys
 
-from static_decode.cli import main
+from static_decode.commands.cli import main
 
 sys.exit(main())

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from static_decode.checks import check_int
+
 IntsLike = torch.Tensor | np.ndarray | Sequence[int]
 
 # One spare position past max_len: the padded slots of a fixed-size chunk are all written there (a "trash"
@@ -25,14 +27,6 @@ IntsLike = torch.Tensor | np.ndarray | Sequence[int]
 # fixed-shape indexed write (index_put_) with no read-modify-write, and leaves every position past a row's
 # length untouched.
 SPARE_ROWS = 1
-
-
-def _positive(name: str, value: int, *, allow_zero: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-    return int(value)
 
 
 def host_ints(values: IntsLike, name: str) -> np.ndarray:
@@ -75,11 +69,11 @@ class StaticKVCache(torch.nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        batch = _positive("batch", batch, allow_zero=True)
-        self.kv_heads = _positive("kv_heads", kv_heads)
-        self.max_len = _positive("max_len", max_len)
-        self.head_dim = _positive("head_dim", head_dim)
-        self.layers = _positive("layers", layers)
+        batch = check_int("batch", batch, minimum=0)
+        self.kv_heads = check_int("kv_heads", kv_heads, minimum=1)
+        self.max_len = check_int("max_len", max_len, minimum=1)
+        self.head_dim = check_int("head_dim", head_dim, minimum=1)
+        self.layers = check_int("layers", layers, minimum=1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         shape = (self.layers, batch, self.kv_heads, self.max_len + SPARE_ROWS, self.head_dim)

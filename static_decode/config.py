@@ -15,16 +15,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from static_decode.checks import check_int
+
 ARCHITECTURES = ("LlamaForCausalLM",)
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def _check_int(name: str, value: Any, *, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _check_positive_float(name: str, value: Any) -> None:
@@ -55,7 +50,7 @@ class RopeConfig:
         _check_positive_float("rope factor", self.factor)
         _check_positive_float("rope low_freq_factor", self.low_freq_factor)
         _check_positive_float("rope high_freq_factor", self.high_freq_factor)
-        _check_int("rope original_max_position_embeddings", self.original_max_position_embeddings)
+        check_int("rope original_max_position_embeddings", self.original_max_position_embeddings, minimum=1)
         if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             # The smoothing divides by (high - low): equal factors would divide by zero.
             raise ValueError(
@@ -92,9 +87,9 @@ class LlamaConfig:
             "num_heads",
             "num_kv_heads",
         ):
-            _check_int(name, getattr(self, name))
-        _check_int("head_dim", self.head_dim, minimum=0)
-        _check_int("max_position_embeddings", self.max_position_embeddings)
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("head_dim", self.head_dim, minimum=0)
+        check_int("max_position_embeddings", self.max_position_embeddings, minimum=1)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} "

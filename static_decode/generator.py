@@ -1,77 +1,46 @@
 """The host side of generation: one cache and one set of step buffers, reused across requests.
 
-Per request the host validates everything first (a refused request changes nothing), fills the step
-buffers, then only launches steps (`static_decode.steps`) back to back: prefill chunks, the first token, then
-one decode step per token. It never reads the device lengths; it knows them for prefill (it chose n_new) and
-keeps an upper bound during decode (each step adds at most one token per row), from which `_read_len` picks
+Per request the host checks everything first (static_decode.request: a refused request changes nothing), fills
+the step buffers, then only launches steps (static_decode.steps) back to back: prefill chunks, the first token,
+then one decode step per token. It never reads the device lengths; it knows them for prefill (it chose n_new)
+and keeps an upper bound during decode (each step adds at most one token per row), from which the runner picks
 the read length. Emitted tokens are read back from `bufs.out` in batches (every `read_every` steps and at the
 end): that is the only sync during decode, and it is also where the host notices that every row finished.
 
-Two single points the capture layer hooks into: `_read_len(longest)` (the read length of a step, rounded up
-to a captured bucket under compile=True) and `_step(kind, read_len)` (the callable to launch: the eager
-function from `steps.STEPS` when compile=False, the registry's compiled step otherwise; see capture/).
+What runs a step is the runner's business (`static_decode.steps.StepRunner`): it answers the read length of a
+step and the callable of a step kind at that length. `EagerRunner` by default; with `compile=True` the
+capture layer's `CompiledRunner` (one graph per (kind, read bucket), the capture policy with it).
 
 A tensor-parallel model (`model.tp`, static_decode.parallel) needs nothing else here: every rank runs this same
 host loop over its own shard and cache; the step's all-reduces make the logits, hence the tokens, the same on
 every rank, so every rank takes the same decisions (EOS, read-backs, read lengths) and the collectives stay in
-step. Compiled steps of such a model fall back to eager per kind if they cannot compile (capture.StepRegistry).
+step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from capture.settings import CaptureOptions
 from static_decode import ranges, sampling
 from static_decode.cache import StaticKVCache
+from static_decode.checks import check_int
 from static_decode.model import Llama
-from static_decode.steps import PAD, STEPS, StepBuffers, StepFn
+from static_decode.request import Request, check_request
+from static_decode.stats import GenerationStats
+from static_decode.steps import PAD, EagerRunner, StepBuffers, StepFn, StepRunner
 
-if TYPE_CHECKING:  # capture pulls in torch._dynamo (seconds of import): loaded only when compiling
-    from capture import CaptureOptions, StepRegistry
+if TYPE_CHECKING:
+    from capture.report import CaptureRecord, CaptureReport
 
 DEFAULT_CHUNK_SIZE = 64  # prompt slots per prefill step
 DEFAULT_READ_EVERY = 16  # decode steps between read-backs of the emitted tokens
-
-
-@dataclass
-class GenerationStats:
-    """Timings of the last request (host wall clock; each ends at a read-back, so device work is included)."""
-
-    prompt_tokens: int  # real prompt tokens over all rows
-    new_tokens: int  # emitted tokens over all rows (EOS included)
-    prefill_s: float  # from the request's start to the first token back on the host
-    decode_s: float  # from then to the last token back on the host
-    decode_steps: int  # decode steps launched (each emits one token per live row)
-
-    @property
-    def ms_per_step(self) -> float:
-        return 1e3 * self.decode_s / self.decode_steps if self.decode_steps else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        total = self.prefill_s + self.decode_s
-        return self.new_tokens / total if total > 0 else 0.0
-
-    def summary(self) -> str:
-        return (
-            f"prefill {1e3 * self.prefill_s:.1f} ms ({self.prompt_tokens} tokens), "
-            f"{self.ms_per_step:.2f} ms per decoded token ({self.decode_steps} steps), "
-            f"{self.tokens_per_s:.1f} tokens/s ({self.new_tokens} new tokens)"
-        )
-
-
-def _int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
 
 
 class Generator:
@@ -100,139 +69,72 @@ class Generator:
             raise TypeError(f"model must be a static_decode.Llama, got {type(model).__name__}")
         model.tp.require_group()  # a tensor-parallel shard needs its process group for every step
         self.model = model
-        self.max_len = _int("max_len", max_len, 2)
-        self.chunk_size = _int("chunk_size", chunk_size, 1)
-        self.read_every = _int("read_every", read_every, 1)
+        self.max_len = check_int("max_len", max_len, minimum=2)
+        self.chunk_size = check_int("chunk_size", chunk_size, minimum=1)
+        self.read_every = check_int("read_every", read_every, minimum=1)
         self.compile = bool(compile)
-        self.capture: CaptureOptions | None = None  # compile=True: buckets, warm-up
-        if self.compile or capture is not None:
-            from capture import CaptureOptions
-
-            self.capture = CaptureOptions() if capture is None else capture
-            if not isinstance(self.capture, CaptureOptions):
-                raise TypeError(f"capture must be a capture.CaptureOptions, got {type(capture).__name__}")
-        self._registry: StepRegistry | None = None
-        self.fixed_batch = None if batch is None else _int("batch", batch, 1)
+        if capture is not None and not isinstance(capture, CaptureOptions):
+            raise TypeError(f"capture must be a capture.CaptureOptions, got {type(capture).__name__}")
+        self.capture = capture if capture is not None or not self.compile else CaptureOptions()
+        self.fixed_batch = None if batch is None else check_int("batch", batch, minimum=1)
         eos = model.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
         for i in eos:
-            _int("eos token id", i, 0)
+            check_int("eos token id", i, minimum=0)
             if i >= model.config.vocab_size:
                 raise ValueError(f"eos token id {i} is past the vocabulary ({model.config.vocab_size})")
         self.eos_token_ids = tuple(int(i) for i in eos)
         self.cache: StaticKVCache | None = None
         self.bufs: StepBuffers | None = None
+        self.runner: StepRunner = EagerRunner()  # compile=True: a capture.CompiledRunner once allocated
         self.stats: GenerationStats | None = None
         if self.fixed_batch is not None:
             self._allocate(self.fixed_batch)
 
-    # ---- the two hooks the capture layer replaces ------------------------------------------------------
-    def _read_len(self, longest: int) -> int:
+    # ---- the runner: read lengths, step callables, capture --------------------------------------------------
+    def read_len(self, longest: int) -> int:
         """The read length of a step whose longest row (after it) holds `longest` tokens."""
-        if self._registry is None:
-            return longest
-        return self._registry.ladder.bucket_for(longest)
+        return self.runner.read_len(longest)
 
-    def _step(self, kind: str, read_len: int) -> StepFn:
-        """The callable that runs step `kind` at `read_len`."""
-        if self._registry is None:
-            return STEPS[kind]
-        return self._registry.step(kind, read_len)
+    def step_fn(self, kind: str, read_len: int) -> StepFn:
+        """The callable `fn(model, cache, bufs, read_len)` that runs step `kind` at `read_len`."""
+        return self.runner.step(kind, read_len)
 
-    def _capture_steps(self) -> None:
-        """compile=True: compile the steps over this cache and these buffers, one graph per (kind, bucket)."""
-        from capture import BucketLadder, CompileSettings, StepRegistry, preserving
+    @property
+    def capture_records(self) -> list[CaptureRecord]:
+        """What was compiled so far, one record per (kind, read bucket); empty unless compile=True."""
+        return list(getattr(self.runner, "records", {}).values())
 
-        cache, bufs, opts, tp = self.cache, self.bufs, self.capture, self.model.tp
-        live = [cache.lens, *bufs.tensors().values()]
+    def warm_up(
+        self, kinds: Iterable[str] | None = None, *, buckets: Iterable[int] | None = None, progress: bool = True
+    ) -> CaptureReport:
+        """compile=True: compile (and capture) `kinds` (default: all) at `buckets` (read lengths, rounded up to
+        their rungs; default: every rung) now rather than at first use. Allocates the cache if needed."""
+        if not self.compile:
+            raise ValueError("warm_up needs Generator(..., compile=True); eager steps have nothing to capture")
+        if self.cache is None:
+            self._allocate(1)
+        return self.runner.warm_up(kinds, buckets=buckets, progress=progress)
 
-        def idle() -> contextlib.AbstractContextManager[None]:
-            # Warm-up runs with every row done and n_new = 0 (nothing appended: padded K/V goes to the spare
-            # row), then every buffer and the lengths are restored.
-            return preserving(live, prepare=lambda: (bufs.done.fill_(True), bufs.n_new.zero_()))
-
-        settings = opts.settings or CompileSettings.for_device(cache.device, collectives=tp.backend())
-        self._registry = StepRegistry(
-            STEPS, BucketLadder.of(opts.buckets, self.max_len), args=(self.model, cache, bufs),
-            device=cache.device, settings=settings, unbucketed=("first", "first_greedy"),
-            static_tensors=[cache.k, cache.v, *live], scratch=idle,
-            fallback=tp.enabled if opts.fallback is None else opts.fallback,
-        )
-        if opts.warm_up == "all":
-            self._registry.warm_up(self._registry.pairs(opts.kinds), progress=opts.progress)
-
-    # ---- allocation ------------------------------------------------------------------------------------
     def _allocate(self, batch: int) -> None:
         m = self.model
         self.cache = m.new_cache(batch, self.max_len)
         self.bufs = StepBuffers.allocate(
-            batch,
-            self.chunk_size,
-            self.max_len,
-            m.config.hidden_size,
-            len(self.eos_token_ids),
-            dtype=m.dtype,
-            device=m.device,
+            batch, self.chunk_size, self.max_len, m.config.hidden_size, len(self.eos_token_ids),
+            dtype=m.dtype, device=m.device,
         )
-        self._registry = None
-        if self.compile:
-            self._capture_steps()
+        self.runner = EagerRunner()
+        if self.compile:  # loaded here: the capture layer pulls in torch._dynamo, which eager use never needs
+            from capture.runner import CompiledRunner
 
-    # ---- request checks (before anything changes) ------------------------------------------------------
-    def _check_request(
-        self,
-        prompt: object,
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int | None,
-        top_p: float | None,
-        seed: int | None,
-    ) -> tuple[list[list[int]], bool]:
-        if (
-            not isinstance(prompt, Sequence | np.ndarray)
-            or isinstance(prompt, str | bytes)
-            or len(prompt) == 0
-        ):
-            raise ValueError(f"prompt must be a non-empty list of token ids or of such lists, got {prompt!r}")
-        single = all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt)
-        rows = (
-            [list(prompt)]
-            if single
-            else [list(p) if isinstance(p, Sequence | np.ndarray) else p for p in prompt]
+            self.runner = CompiledRunner(m, self.cache, self.bufs, self.capture)
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def _check(self, prompt: object, max_new_tokens: int, **kw: object) -> Request:
+        return check_request(
+            prompt, max_new_tokens, **kw, vocab_size=self.model.config.vocab_size, max_len=self.max_len,
+            max_batch=self.fixed_batch,
         )
-        vocab = self.model.config.vocab_size
-        max_new = _int("max_new_tokens", max_new_tokens, 1)
-        for b, row in enumerate(rows):
-            if not isinstance(row, list) or not row:
-                raise ValueError(f"prompt row {b} must be a non-empty list of token ids, got {row!r}")
-            for t in row:
-                if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt row {b} holds {t!r}; token ids must be ints in 0..{vocab - 1}")
-            if len(row) + max_new > self.max_len:
-                raise ValueError(
-                    f"prompt row {b} has {len(row)} tokens; with max_new_tokens={max_new} that needs "
-                    f"{len(row) + max_new} > max_len={self.max_len} positions"
-                )
-        if self.fixed_batch is not None and len(rows) > self.fixed_batch:
-            raise ValueError(
-                f"the request has {len(rows)} rows, this generator was built for batch={self.fixed_batch}"
-            )
-        if (
-            isinstance(temperature, bool)
-            or not isinstance(temperature, int | float)
-            or not 0 <= temperature < 1e30
-        ):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if top_k is not None:
-            _int("top_k", top_k, 1)
-        if top_p is not None and (
-            isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1
-        ):
-            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-        if seed is not None:
-            _int("seed", seed, 0)
-        return rows, single
 
-    # ---- the request -----------------------------------------------------------------------------------
     def generate(
         self,
         prompt: Sequence[int] | Sequence[Sequence[int]],
@@ -249,14 +151,13 @@ class Generator:
         Greedy when temperature is 0; otherwise sampled on the device (top_k / top_p optional), reproducibly
         when `seed` is given. A row stops after it emits an EOS id (included) when stop_at_eos.
         """
-        rows, single = self._check_request(prompt, max_new_tokens, temperature, top_k, top_p, seed)
-        out: list[list[int]] = [[] for _ in rows]
-        for piece in self._run(
-            rows, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, self.read_every
-        ):
+        req = self._check(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                          stop_at_eos=stop_at_eos)
+        out: list[list[int]] = [[] for _ in req.rows]
+        for piece in self._run(req, self.read_every):
             for b, toks in enumerate(piece):
                 out[b].extend(toks)
-        return out[0] if single else out
+        return out[0] if req.single else out
 
     def stream(
         self,
@@ -272,44 +173,31 @@ class Generator:
     ) -> Iterator[int] | Iterator[list[list[int]]]:
         """Like `generate`, but yields tokens as they are read back: every `read_every` steps (default: the
         generator's), and the first token as soon as it exists. For a single prompt it yields token ids one by
-        one; for a batch, one list of new ids per row at each read. The request is validated before the first
-        `next()` returns (this function checks it eagerly)."""
-        rows, single = self._check_request(prompt, max_new_tokens, temperature, top_k, top_p, seed)
-        every = self.read_every if read_every is None else _int("read_every", read_every, 1)
-        pieces = self._run(rows, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, every)
-        if not single:
-            return pieces
-        return (t for piece in pieces for t in piece[0])
+        one; for a batch, one list of new ids per row at each read. The request is checked before this returns."""
+        req = self._check(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                          stop_at_eos=stop_at_eos)
+        every = self.read_every if read_every is None else check_int("read_every", read_every, minimum=1)
+        pieces = self._run(req, every)
+        return pieces if not req.single else (t for piece in pieces for t in piece[0])
 
-    def _prepare(
-        self,
-        rows: list[list[int]],
-        temperature: float,
-        top_k: int | None,
-        top_p: float | None,
-        seed: int | None,
-        stop_at_eos: bool,
-    ) -> None:
-        """Reset the cache and fill the per-request buffers."""
-        if self.cache is None or len(rows) > self.cache.batch:
-            self._allocate(len(rows))
+    # ---- one request on the device ------------------------------------------------------------------------
+    def _prepare(self, req: Request) -> None:
+        """Reset the cache and fill the per-request buffers (allocating, and capturing, on first need)."""
+        if self.cache is None or len(req.rows) > self.cache.batch:
+            self._allocate(len(req.rows))
         cache, bufs = self.cache, self.bufs
-        B, dev = cache.batch, cache.device
+        B = cache.batch
         cache.reset()
-        if seed is None:
-            seed = random.getrandbits(64)
-        live = np.arange(B) < len(rows)
-        bufs.done.copy_(torch.from_numpy(~live))  # spare rows are done from the start
+        seed = random.getrandbits(64) if req.seed is None else req.seed
+        bufs.done.copy_(torch.from_numpy(np.arange(B) >= len(req.rows)))  # spare rows are done from the start
         bufs.step.zero_()
         bufs.next.zero_()
-        bufs.temperature.fill_(float(temperature))
-        bufs.top_k.fill_(0 if top_k is None else top_k)
-        bufs.top_p.fill_(1.0 if top_p is None else float(top_p))
+        bufs.temperature.fill_(req.temperature)
+        bufs.top_k.fill_(req.top_k or 0)
+        bufs.top_p.fill_(1.0 if req.top_p is None else req.top_p)
         bufs.seed.copy_(torch.tensor([sampling.row_seed(seed, b) for b in range(B)], dtype=torch.int64))
-        eos = list(self.eos_token_ids) if stop_at_eos else []
-        bufs.eos.copy_(
-            torch.tensor(eos + [-1] * (bufs.eos.shape[0] - len(eos)), dtype=torch.int64, device=dev)
-        )
+        eos = list(self.eos_token_ids) if req.stop_at_eos else []
+        bufs.eos.copy_(torch.tensor(eos + [-1] * (bufs.eos.shape[0] - len(eos)), dtype=torch.int64))
 
     def _prefill(self, rows: list[list[int]]) -> None:
         """Feed the prompts in chunks of chunk_size slots (the last padded); rows run out at their length."""
@@ -324,28 +212,17 @@ class Generator:
             n = cache.validate(n, C)
             bufs.chunk.copy_(torch.from_numpy(chunk))
             bufs.n_new.copy_(torch.from_numpy(n))
-            read_len = self._read_len(int((cache.host_lens + n).max()))
+            read_len = self.read_len(int((cache.host_lens + n).max()))
             with ranges.range(ranges.PREFILL_CHUNK, ranges.COLORS["prefill"]):
-                self._step("prefill", read_len)(self.model, cache, bufs, read_len)
+                self.step_fn("prefill", read_len)(self.model, cache, bufs, read_len)
             cache.commit(n)
 
-    def _run(
-        self,
-        rows: list[list[int]],
-        max_new: int,
-        temperature: float,
-        top_k: int | None,
-        top_p: float | None,
-        seed: int | None,
-        stop_at_eos: bool,
-        every: int,
-    ) -> Iterator[list[list[int]]]:
+    def _run(self, req: Request, every: int) -> Iterator[list[list[int]]]:
         """Run one checked request, yielding each read-back as a list of new tokens per row."""
-        self._prepare(rows, temperature, top_k, top_p, seed, stop_at_eos)  # may allocate and capture: untimed
+        self._prepare(req)  # may allocate and capture: untimed
         t0 = time.perf_counter()
-        greedy = temperature == 0
-        cache, bufs, model, R = self.cache, self.bufs, self.model, len(rows)
-        eos = set(self.eos_token_ids) if stop_at_eos else set()
+        cache, bufs, model, R, max_new = self.cache, self.bufs, self.model, len(req.rows), req.max_new_tokens
+        eos = set(self.eos_token_ids) if req.stop_at_eos else set()
         emitted = np.zeros(R, dtype=np.int64)
         finished = np.zeros(R, dtype=bool)
         complete = False
@@ -356,12 +233,12 @@ class Generator:
         try:
             # Grad mode is set per launch, never held across a yield (it is thread-global state of the caller).
             with torch.no_grad():
-                self._prefill(rows)
+                self._prefill(req.rows)
                 with sample_range:
-                    self._step("first_greedy" if greedy else "first", 0)(model, cache, bufs, 0)
+                    self.step_fn("first_greedy" if req.greedy else "first", 0)(model, cache, bufs, 0)
             longest = int(cache.host_lens.max())  # exact now; an upper bound from here on
             read_from, steps = 0, 0
-            kind = "decode_greedy" if greedy else "decode"
+            kind = "decode_greedy" if req.greedy else "decode"
             while True:
                 if steps + 1 == max_new or steps % every == 0:
                     piece = self._read_back(read_from, steps + 1, finished, emitted, eos)
@@ -372,19 +249,16 @@ class Generator:
                     if steps + 1 == max_new or finished.all():
                         break
                 steps += 1
-                read_len = self._read_len(longest + steps)
+                read_len = self.read_len(longest + steps)
                 with torch.no_grad(), decode_range:
-                    self._step(kind, read_len)(model, cache, bufs, read_len)
+                    self.step_fn(kind, read_len)(model, cache, bufs, read_len)
             t2 = time.perf_counter()
             # Each emitted token except a row's last was fed back: that is how far the device lengths moved.
             cache.commit(np.concatenate([emitted - 1, np.zeros(cache.batch - R, dtype=np.int64)]))
             complete = True
             self.stats = GenerationStats(
-                prompt_tokens=sum(len(r) for r in rows),
-                new_tokens=int(emitted.sum()),
-                prefill_s=t1 - t0,
-                decode_s=t2 - t1,
-                decode_steps=steps,
+                prompt_tokens=req.prompt_tokens, new_tokens=int(emitted.sum()), prefill_s=t1 - t0,
+                decode_s=t2 - t1, decode_steps=steps,
             )
         finally:
             if not complete:  # abandoned or failed: leave a consistent, empty cache

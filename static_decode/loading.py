@@ -13,6 +13,7 @@ tensors (embedding, norms, LM head, row-parallel biases) are read whole by every
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -36,6 +37,11 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+
+
+def default_model_path() -> Path:
+    """The embedded default checkpoint shipped inside the package (static_decode/default_model)."""
+    return Path(str(resources.files("static_decode") / "default_model"))
 
 
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

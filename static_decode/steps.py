@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 import torch
 
@@ -139,3 +140,32 @@ STEPS: dict[str, StepFn] = {
     "decode": decode_one,
     "decode_greedy": greedy_one,
 }
+UNBUCKETED = ("first", "first_greedy")  # kinds that read no cache: always launched with read_len 0
+
+
+class StepRunner(Protocol):
+    """What the generator asks of a runner: the read length of a step and the callable of a step kind there.
+
+    `EagerRunner` (here) is the default; `capture.CompiledRunner` compiles the same STEPS, one graph per
+    (kind, read bucket)."""
+
+    def read_len(self, longest: int) -> int:
+        """The read length of a step whose longest row (after it) holds `longest` tokens."""
+        ...
+
+    def step(self, kind: str, read_len: int) -> StepFn:
+        """The callable `fn(model, cache, bufs, read_len)` that runs step `kind` at `read_len`."""
+        ...
+
+
+class EagerRunner:
+    """The uncompiled steps, each reading exactly the live length."""
+
+    def read_len(self, longest: int) -> int:
+        return longest
+
+    def step(self, kind: str, read_len: int) -> StepFn:
+        try:
+            return STEPS[kind]
+        except KeyError:
+            raise KeyError(f"no step kind {kind!r}; the kinds are {tuple(STEPS)}") from None

@@ -17,7 +17,7 @@ import json
 import pytest
 
 from capture import CompileSettings
-from static_decode import bench, bench_report, bench_systems, cli
+from static_decode.commands import bench, bench_config, bench_report, bench_run, bench_systems, cli
 from tests.checkpoints import hf_greedy, hf_llama, save
 
 EAGER = CompileSettings(backend="eager")  # dynamo only: the compiled systems' logic, without inductor's minutes
@@ -61,7 +61,7 @@ def test_timing_loop_medians_over_timed_requests_only_and_interleaves():
     a = FakeSystem("a", clock, prefill=0.010, step=0.001, log=log)
     b = FakeSystem("b", clock, prefill=0.020, step=0.004, log=log, offset=5)
     gated = []
-    t = bench.time_interleaved([a, b], [1, 2, 3], steps=4, repeats=3, warmup=2, clock=clock,
+    t = bench_run.time_interleaved([a, b], [1, 2, 3], steps=4, repeats=3, warmup=2, clock=clock,
                                gate=lambda: gated.append(len(log)))
     assert log == ["a", "b"] * 5  # 2 warm-up rounds then 3 timed, the systems taking turns
     assert gated == [4, 5, 6, 7, 8, 9]  # the idle gate runs before each timed request only
@@ -76,15 +76,15 @@ def test_timing_loop_medians_over_timed_requests_only_and_interleaves():
 
 def test_idle_gate_waits_for_idle_cpus_and_counts_when_it_gives_up(monkeypatch):
     readings = iter([0.2, 0.5, 0.95])
-    monkeypatch.setattr(bench.IdleGate, "idle_fraction", staticmethod(lambda: next(readings)))
-    gate = bench.IdleGate(limit_s=60)
+    monkeypatch.setattr(bench_run.IdleGate, "idle_fraction", staticmethod(lambda: next(readings)))
+    gate = bench_run.IdleGate(limit_s=60)
     gate()  # busy, busy, idle: returns after the third reading
     assert next(readings, None) is None and gate.stats["gave_up"] == 0 and gate.stats["requests"] == 1
-    monkeypatch.setattr(bench.IdleGate, "idle_fraction", staticmethod(lambda: 0.0))
-    impatient = bench.IdleGate(limit_s=1e-9)
+    monkeypatch.setattr(bench_run.IdleGate, "idle_fraction", staticmethod(lambda: 0.0))
+    impatient = bench_run.IdleGate(limit_s=1e-9)
     impatient()
     assert impatient.stats["gave_up"] == 1
-    off = bench.IdleGate(limit_s=0)
+    off = bench_run.IdleGate(limit_s=0)
     off()
     assert off.stats["requests"] == 0  # off: not even a /proc/stat read
 
@@ -94,16 +94,16 @@ def test_a_system_emitting_the_wrong_number_of_tokens_is_refused():
     s = FakeSystem("short", clock, 0.0, 0.0, [])
     s.finish = lambda: [1]
     with pytest.raises(RuntimeError, match="short emitted 1 tokens, expected 4"):
-        bench.request(s, [1], 3, None, clock)
+        bench_run.request(s, [1], 3, None, clock)
 
 
 def test_a_token_mismatch_is_reported_with_its_first_index():
-    ref, other = bench.Timing(3, [0.1], [0.3], [4, 5, 6, 7]), bench.Timing(3, [0.1], [0.3], [4, 5, 9, 7])
+    ref, other = bench_run.Timing(3, [0.1], [0.3], [4, 5, 6, 7]), bench_run.Timing(3, [0.1], [0.3], [4, 5, 9, 7])
     s = FakeSystem("x", FakeClock(), 0, 0, [])
-    row = bench._row(s, other, 10, 64, ref)
+    row = bench_run._row(s, other, 10, 64, ref)
     assert (row["tokens_match"], row["first_mismatch"]) == (False, 2)
-    assert bench._row(s, ref, 10, 64, ref)["tokens_match"] is True
-    assert bench._row(s, ref, 10, 64, None)["tokens_match"] is None  # static-decode did not run
+    assert bench_run._row(s, ref, 10, 64, ref)["tokens_match"] is True
+    assert bench_run._row(s, ref, 10, 64, None)["tokens_match"] is None  # static-decode did not run
 
 
 # ---- the systems on a tiny checkpoint ------------------------------------------------------------------------
@@ -112,14 +112,14 @@ def test_every_system_gives_the_reference_greedy_tokens(checkpoint):
     from static_decode.loading import load_model
 
     model = load_model(path)
-    prompt, _ = bench.make_prompt(path, model.config.vocab_size, 21)
+    prompt, _ = bench_run.make_prompt(path, model.config.vocab_size, 21)
     want = hf_greedy(hf, prompt, 7, eos=None)  # transformers' generate: independent of every system below
     for name in bench_systems.SYSTEMS:
         system, why = bench_systems.build(name, model, path=path, max_len=40, settings=EAGER,
                                           transformers_compile=False)
         assert system is not None, why
         for _ in range(2):  # the second request reuses the system's cache: it must start from scratch
-            assert bench.request(system, prompt, 6, None) == want, name
+            assert bench_run.request(system, prompt, 6, None) == want, name
 
 
 def test_transformers_compiled_decode_step_gives_the_same_tokens(checkpoint):
@@ -130,7 +130,7 @@ def test_transformers_compiled_decode_step_gives_the_same_tokens(checkpoint):
     system = bench_systems.TransformersSystem(path, model.dtype, model.device, 40, compile=True, backend="eager")
     assert "torch.compile(backend='eager', fullgraph=True)" in system.mode  # it did not fall back to eager
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    assert bench.request(system, prompt, 5, None) == hf_greedy(hf, prompt, 6, eos=None)
+    assert bench_run.request(system, prompt, 5, None) == hf_greedy(hf, prompt, 6, eos=None)
 
 
 def test_bench_run_json_plot_and_profile(checkpoint, tmp_path, capsys):
@@ -184,13 +184,13 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_quick_sets_a_short_sweep_unless_told_otherwise():
-    config = bench_report.config_from_args(_args("--quick"))
+    config = bench.config_from_args(_args("--quick"))
     assert (config.contexts, config.steps, config.repeats) == (
-        bench.QUICK["contexts"], bench.QUICK["steps"], bench.QUICK["repeats"]
+        bench_config.QUICK["contexts"], bench_config.QUICK["steps"], bench_config.QUICK["repeats"]
     )
-    assert bench_report.config_from_args(_args("--quick", "--contexts", "64")).contexts == (64,)
-    assert bench_report.config_from_args(_args("--no-attention")).attention_lengths is None
-    assert bench_report.config_from_args(_args()).settings is None  # the device default of capture/
+    assert bench.config_from_args(_args("--quick", "--contexts", "64")).contexts == (64,)
+    assert bench.config_from_args(_args("--no-attention")).attention_lengths is None
+    assert bench.config_from_args(_args()).settings is None  # the device default of capture/
 
 
 @pytest.mark.parametrize(
@@ -206,7 +206,7 @@ def test_quick_sets_a_short_sweep_unless_told_otherwise():
 )
 def test_bad_sweeps_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        bench.BenchConfig(**kwargs)
+        bench_config.BenchConfig(**kwargs)
 
 
 def test_cli_reports_a_bad_sweep_as_a_usage_error(capsys):

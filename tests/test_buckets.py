@@ -59,7 +59,7 @@ def test_length_past_capacity_is_refused() -> None:
     ladder = BucketLadder((16, 32, 64))
     with pytest.raises(ValueError, match="length 65 exceeds the cache capacity max_len=64"):
         ladder.bucket_for(65)
-    with pytest.raises(ValueError, match="length must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="length must be an int >= 0, got -1"):
         ladder.bucket_for(-1)
     with pytest.raises(TypeError, match="length must be an int"):
         ladder.bucket_for(3.0)  # type: ignore[arg-type]
@@ -71,7 +71,7 @@ def test_length_past_capacity_is_refused() -> None:
         ((), ValueError, "at least one"),
         ((16, 16, 32), ValueError, r"strictly increasing; lengths\[0\]=16 >= lengths\[1\]=16"),
         ((32, 16), ValueError, "strictly increasing"),
-        ((0, 16), ValueError, r"lengths\[0\] must be >= 1, got 0"),
+        ((0, 16), ValueError, r"lengths\[0\] must be an int >= 1, got 0"),
         ((16, 32.0), TypeError, r"lengths\[1\] must be an int"),
         ("abc", TypeError, "sequence of ints"),
     ],
@@ -84,9 +84,9 @@ def test_malformed_ladder_is_refused(lengths: object, error: type[Exception], ma
 def test_geometric_parameters_are_checked() -> None:
     with pytest.raises(ValueError, match="growth must be > 1"):
         BucketLadder.geometric(1024, growth=1.0)
-    with pytest.raises(ValueError, match="align must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="align must be an int >= 1, got 0"):
         BucketLadder.geometric(1024, align=0)
-    with pytest.raises(ValueError, match="max_len must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_len must be an int >= 1, got 0"):
         BucketLadder.geometric(0)
 
 

@@ -77,7 +77,7 @@ def test_warm_up_compiles_one_graph_per_kind_and_bucket(compiled) -> None:
     gen, counts = compiled
     assert counts.graphs == 2 * len(LADDER) + 1  # prefill and decode_greedy per bucket, first_greedy once
     assert (counts.graph_breaks, counts.cudagraph_skips) == (0, 0)
-    records = gen._registry.records
+    records = gen.runner.records
     pairs = [("first_greedy", 0)] + [(k, b) for k in ("prefill", "decode_greedy") for b in LADDER]
     assert sorted(records) == sorted(pairs)
     assert all(r.graphs == 1 and r.graph_breaks == 0 for r in records.values())
@@ -135,8 +135,8 @@ def test_warm_up_leaves_cache_and_buffers_untouched(model: Llama, eager: Generat
     first = gen.generate(PROMPTS, 10, stop_at_eos=False)  # live, non-trivial state
     before = {k: t.clone() for k, t in _state(gen).items()}
     host = gen.cache.host_lens.copy()
-    report = gen._registry.warm_up(progress=False)  # every remaining pair, sampling kinds included
-    assert len(report.records) == len(gen._registry.pairs()) - 3  # 3 pairs ran lazily in the request
+    report = gen.warm_up(progress=False)  # every remaining pair, sampling kinds included
+    assert len(report.records) == len(gen.runner.pairs()) - 3  # 3 pairs ran lazily in the request
     for name, t in _state(gen).items():
         if name in ("k", "v"):  # padded K/V goes to the spare row max_len; every real position is as it was
             t, before[name] = t[..., :MAX_LEN, :], before[name][..., :MAX_LEN, :]
@@ -152,7 +152,7 @@ def test_lazy_graph_count_equals_pairs_touched(model: Llama) -> None:
     gen = _lazy(model, ladder)
     with count_compiles() as c:
         gen.generate([3] * 5, 8, stop_at_eos=False)  # prefill reads 5 -> 16; decode up to 5 + 8 -> 16
-    assert c.counts.graphs == 3 and set(gen._registry.records) == {
+    assert c.counts.graphs == 3 and set(gen.runner.records) == {
         ("prefill", 16), ("first_greedy", 0), ("decode_greedy", 16)}
     with count_compiles() as c:
         gen.generate([3] * 20, 20, stop_at_eos=False)  # prefill chunks end at 8, 16, 20; decode up to 40
@@ -160,7 +160,7 @@ def test_lazy_graph_count_equals_pairs_touched(model: Llama) -> None:
         ("decode_greedy", b) for b in ladder.touched(range(21, 40))}
     assert touched == {("prefill", 16), ("prefill", 32), ("decode_greedy", 32), ("decode_greedy", 48)}
     assert c.counts.graphs == len(touched - {("prefill", 16)}) == 3
-    assert len(gen._registry.records) == 6
+    assert len(gen.runner.records) == 6
     torch._dynamo.reset()
 
 
@@ -178,11 +178,28 @@ def test_registry_refuses_a_read_length_that_is_not_a_bucket(model: Llama) -> No
     gen = _lazy(model, LADDER, batch=1)
     match = r"read_len=33 for step 'decode_greedy' is not a bucket of the ladder \(32, 64\)"
     with pytest.raises(ValueError, match=match):
-        gen._registry.step("decode_greedy", 33)
+        gen.runner.step("decode_greedy", 33)
     with pytest.raises(KeyError, match="no step kind 'decode_fast'"):
-        gen._registry.step("decode_fast", 32)
+        gen.runner.step("decode_fast", 32)
     with pytest.raises(ValueError, match="length 65 exceeds the cache capacity max_len=64"):
-        gen._read_len(65)
+        gen.read_len(65)
+
+
+def test_generator_warm_up_takes_kinds_and_buckets(model: Llama) -> None:
+    """The public capture accessors: warm up chosen (kind, bucket) pairs now; records list what exists."""
+    torch._dynamo.reset()
+    gen = _lazy(model, BucketLadder((16, 32, 48, 64)))
+    assert gen.capture_records == []
+    with count_compiles() as c:
+        report = gen.warm_up(["decode_greedy", "first_greedy"], buckets=[20, 30, 64], progress=False)
+    pairs = [(r.kind, r.read_len) for r in report.records]
+    assert pairs == [("decode_greedy", 64), ("decode_greedy", 32), ("first_greedy", 0)]  # 20, 30 -> rung 32
+    assert c.counts.graphs == 3 and sorted(pairs) == sorted((r.kind, r.read_len) for r in gen.capture_records)
+    assert gen.warm_up(["decode_greedy"], buckets=[32], progress=False).records == []  # already captured
+    with pytest.raises(ValueError, match="needs Generator"):
+        Generator(model, max_len=MAX_LEN).warm_up()
+    assert Generator(model, max_len=MAX_LEN, batch=1).capture_records == []
+    torch._dynamo.reset()
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------------
@@ -205,7 +222,7 @@ def cuda_pair():
 @cuda
 def test_gpu_cuda_graphs_replay_equals_eager_without_skips(cuda_pair) -> None:
     gen, eager, counts = cuda_pair
-    assert gen._registry.cudagraphs and counts.cudagraph_skips == 0 and counts.graph_breaks == 0
+    assert gen.runner.cudagraphs and counts.cudagraph_skips == 0 and counts.graph_breaks == 0
     with steady_state(host_sync=False) as c:  # generate reads tokens back: those syncs are by design
         got = gen.generate(PROMPTS, 40, stop_at_eos=False)
     assert c.counts.cudagraph_skips == 0
@@ -217,7 +234,7 @@ def test_gpu_cuda_graphs_replay_equals_eager_without_skips(cuda_pair) -> None:
 def test_gpu_decode_step_has_no_host_sync_and_flat_memory(cuda_pair) -> None:
     gen, _, _ = cuda_pair
     gen.generate(PROMPTS, 4, stop_at_eos=False)
-    step = gen._step("decode_greedy", LADDER[0])
+    step = gen.step_fn("decode_greedy", LADDER[0])
     args = (gen.model, gen.cache, gen.bufs, LADDER[0])
     gen.bufs.done.fill_(True)  # nothing appended, so 1,000 steps stay inside the cache
     torch.cuda.synchronize()

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import capture.report as report_mod
+import static_decode.commands.capture_report as report_mod
 from capture.report import CaptureRecord, CaptureReport
-from static_decode.cli import main
+from static_decode.commands.cli import main
 
 BASELINE = Path(__file__).resolve().parents[1] / "capture" / "baselines" / "default_model_cpu.json"
 ARGS = ["capture-report", "--max-len", "64", "--chunk-size", "16", "--kinds", "prefill,first_greedy,decode_greedy"]

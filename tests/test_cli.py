@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from static_decode import Generator, cli, load_model
+from static_decode import Generator, load_model
+from static_decode.commands import cli, generate
+from static_decode.loading import default_model_path
 from tests.checkpoints import byte_tokenizer, hf_llama, save
 
 PROMPT_IDS = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -86,12 +88,12 @@ def test_generate_text_through_the_tokenizer(texty, capsys):
 
 
 def test_demo_runs_generate_on_the_embedded_model(texty, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "default_model_path", lambda: texty)
+    monkeypatch.setattr(generate, "default_model_path", lambda: texty)
     rc, out, err = run(capsys, "demo", "--max-new-tokens", "8")
-    assert rc == 0 and out.startswith(cli.DEMO_PROMPT) and "tokens/s" in err
+    assert rc == 0 and out.startswith(generate.DEMO_PROMPT) and "tokens/s" in err
 
 
-@pytest.mark.skipif(not (cli.default_model_path() / "model.safetensors").is_file(), reason="not trained yet")
+@pytest.mark.skipif(not (default_model_path() / "model.safetensors").is_file(), reason="not trained yet")
 def test_demo_with_the_shipped_model(capsys):
     rc, out, _ = run(capsys, "demo", "--max-new-tokens", "40")
     assert rc == 0 and out.startswith("def ") and len(out) > 20

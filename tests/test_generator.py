@@ -4,7 +4,7 @@ Pins: a refused request (too long, malformed) changes nothing and the generator 
 allocated once (same storage across requests; regrown only for a batch larger than any before); rows that
 emit EOS stop (EOS included) while the others go on, and keep their output; streaming reads the device
 lazily (the first token before any decode step, then one read per `read_every` steps); every step launch
-goes through `_read_len` / `_step` with a read length covering the longest row; the host mirror of the lengths
+goes through `read_len` / `step_fn` with a read length covering the longest row; the host mirror of the lengths
 ends equal to the device lengths; greedy output equals transformers' with compile on and off.
 """
 
@@ -130,8 +130,8 @@ class Recording(Generator):
         super().__init__(*a, **kw)
         self.launches: list[tuple[str, int]] = []
 
-    def _step(self, kind, read_len):
-        fn = super()._step(kind, read_len)
+    def step_fn(self, kind, read_len):
+        fn = super().step_fn(kind, read_len)
 
         def run(model, cache, bufs, r):
             fn(model, cache, bufs, r)

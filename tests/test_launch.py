@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from static_decode import cli, launch
+from static_decode.commands import cli, launch
 from tests.checkpoints import hf_llama, save
 
 PROMPT = "5,17,33,2,90,61,7"

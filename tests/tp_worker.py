@@ -65,7 +65,7 @@ def results(ckpt: Path, tp: TensorParallel, compile_mode: str | None) -> dict[st
         opts = CaptureOptions(buckets=BucketLadder((16, MAX_LEN)), settings=settings, kinds=GREEDY, progress=False)
         cgen = Generator(model, max_len=MAX_LEN, chunk_size=CHUNK, eos_token_ids=[], compile=True, capture=opts)
         out["compiled"] = cgen.generate(PROMPTS, NEW_TOKENS)
-        out["records"] = [asdict(r) for r in cgen._registry.records.values()]
+        out["records"] = [asdict(r) for r in cgen.capture_records]
         out["all_reduces_per_graph"] = counter.per_graph if counter else None
     return out
 

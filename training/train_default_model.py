@@ -26,7 +26,7 @@ package data. This script is how that checkpoint was made, so it can be reproduc
 
 Usage::
 
-    python static_decode/default_model/train.py --out static_decode/default_model --minutes 25
+    python training/train_default_model.py --out static_decode/default_model --minutes 25
 """
 
 from __future__ import annotations
@@ -368,7 +368,7 @@ def write_training_md(
         "A tiny byte-level `LlamaForCausalLM` trained on the Python standard library's source, shipped as",
         "package data so that static-decode has a self-contained checkpoint to decode with. It writes",
         "Python-looking code; it is a test and demo fixture, not a useful language model.",
-        "Produced by `train.py` in this folder.",
+        "Produced by `training/train_default_model.py` (outside the package).",
         "",
         "## Files",
         "",
@@ -377,7 +377,7 @@ def write_training_md(
         "  safetensors file holds `model.embed_tokens.weight` only, `lm_head` reuses it).",
         "- `tokenizer.json`: `tokenizers` byte-level tokenizer, token id = byte value (0..255), no merges;",
         "  decodes ids back to UTF-8 text. Byte 0 (NUL) is EOS and separates files in the corpus.",
-        "- `train.py`: the training script (not package data).",
+        "- `training/train_default_model.py`: the training script (kept outside the importable package).",
         "",
         "## Corpus",
         "",
@@ -489,7 +489,8 @@ def write_training_md(
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent), help="output folder")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "static_decode" / "default_model"),
+                   help="output folder")
     p.add_argument("--steps", type=int, default=None, help="exact number of steps (overrides --minutes)")
     p.add_argument("--minutes", type=float, default=25.0, help="training-loop time budget when --steps is unset")
     p.add_argument("--seed", type=int, default=0)

@@ -1,6 +1,6 @@
-"""`static-decode bench`: per-token decode latency and prefill time of every system, side by side, in one run.
+"""The `static-decode bench` run: per-token decode latency and prefill time of every system, side by side.
 
-Same model, machine and prompt for every system (static_decode.bench_systems). At each live context L of the
+Same model, machine and prompt for every system (static_decode.commands.bench_systems). At each live context L of the
 sweep (fixed max_len) a request prefills the first L tokens of the prompt and emits `steps + 1` greedy tokens
 (EOS disabled, so every request does the same work):
 
@@ -15,7 +15,8 @@ machine hits all of them alike. Every system's tokens are compared with `static-
 
 With profiles/ present (a source checkout) the run also times decode attention alone at Llama-3.1-8B head
 shape against the machine's read bandwidth (profiles/attention_bench.py) for the JSON's "attention" rows.
-Tables, the plot and the targets live in static_decode.bench_report.
+Tables, the plot and the targets live in static_decode.commands.bench_report; the options in
+static_decode.commands.bench.
 
 Under torchrun (`torchrun --nproc-per-node N -m static_decode bench ...`) every rank loads its shard and runs
 the tensor-parallel systems (TP_SYSTEMS) in lockstep; the single-process baselines and the attention rows
@@ -24,7 +25,6 @@ are skipped with a note, and rank 0 prints and writes the JSON.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -36,56 +36,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from capture.buckets import BucketLadder
 from static_decode import ranges
-from static_decode.bench_systems import SYSTEMS, TP_SYSTEMS, System, build, load_profiles_module
-from static_decode.parallel import SINGLE, TensorParallel
-
-DEFAULT_CONTEXTS = (128, 512, 1024, 1920)  # max_len / 16 = 128 included
-ATTENTION_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
-QUICK = {"contexts": (128, 1024), "steps": 32, "repeats": 3, "attention_lengths": (2048, 8192, 32768)}
-PROFILE_STEPS = 8
-
-
-@dataclass
-class BenchConfig:
-    """One bench run. `settings` (a capture.CompileSettings) overrides the device default (tests: "eager")."""
-
-    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
-    max_len: int = 2048
-    steps: int = 64  # timed decode steps per request
-    repeats: int = 7  # timed requests per (system, context)
-    warmup: int = 1  # untimed requests per (system, context) first
-    systems: tuple[str, ...] = SYSTEMS
-    model: Path | None = None  # None: the embedded default model
-    threads: int | None = None  # torch intra-op threads; None: every core
-    device: str | None = None
-    dtype: str | None = None
-    attention_lengths: tuple[int, ...] | None = ATTENTION_LENGTHS  # None: no attention rows
-    transformers_compile: bool = True
-    settings: Any = None
-    progress: bool = True
-    profile: Path | None = None  # torch.profiler Chrome trace of PROFILE_STEPS decode steps of the first system
-    wait_idle: float = 0.0  # before each timed request wait up to this many s for the CPUs to be idle (shared hosts)
-    tp: TensorParallel = SINGLE  # under torchrun: this rank's place (static_decode.launch)
-
-    def __post_init__(self) -> None:
-        for name in ("max_len", "steps", "repeats"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.warmup < 0 or (self.threads is not None and self.threads < 1):
-            raise ValueError(f"warmup must be >= 0 and threads >= 1, got {self.warmup!r}, {self.threads!r}")
-        if not self.contexts or len(set(self.contexts)) != len(self.contexts):
-            raise ValueError(f"contexts must be distinct and at least one, got {self.contexts}")
-        for c in self.contexts:
-            if not 1 <= c <= self.max_len - self.steps - 1:
-                raise ValueError(
-                    f"context {c} does not fit: a request holds context + steps + 1 = {c + self.steps + 1} "
-                    f"tokens, max_len is {self.max_len} (and a context needs at least 1 token)"
-                )
-        unknown = [s for s in self.systems if s not in SYSTEMS]
-        if unknown or not self.systems or len(set(self.systems)) != len(self.systems):
-            raise ValueError(f"systems must be distinct names from {', '.join(SYSTEMS)}, got {self.systems}")
+from static_decode.commands.bench_config import PROFILE_STEPS, BenchConfig
+from static_decode.commands.bench_report import targets
+from static_decode.commands.bench_systems import TP_SYSTEMS, System, build, load_profiles_module
+from static_decode.loading import default_model_path, load_model, load_tokenizer
+from static_decode.progress import progress_bar
 
 
 @dataclass
@@ -180,11 +137,9 @@ class IdleGate:
 def make_prompt(path: Path, vocab: int, length: int) -> tuple[list[int], str]:
     """`length` prompt ids and where they come from: this package's own source text through the checkpoint's
     tokenizer (in-distribution for the embedded model, identical on every machine), else seeded random ids."""
-    from static_decode.loading import load_tokenizer
-
     tokenizer = load_tokenizer(path)
     if tokenizer is not None:
-        text = "".join(p.read_text() for p in sorted(Path(__file__).parent.glob("*.py")))
+        text = "".join(p.read_text() for p in sorted(Path(__file__).parents[1].glob("*.py")))
         ids = [i for i in tokenizer.encode(text).ids if i < vocab]
         if ids:
             return (ids * (length // len(ids) + 1))[:length], "static_decode/*.py source text, tokenized"
@@ -213,11 +168,7 @@ def machine(threads: int, device: torch.device) -> dict[str, Any]:
 
 
 def run(config: BenchConfig) -> dict[str, Any]:
-    """Run the bench; return the JSON document (see static_decode.bench_report for what it holds)."""
-    from static_decode.bench_report import command, progress_bar, targets
-    from static_decode.cli import default_model_path
-    from static_decode.loading import load_model
-
+    """Run the bench; return the JSON document (see static_decode.commands.bench_report for what it holds)."""
     tp = config.tp
     threads = config.threads or max(1, (os.cpu_count() or 1) // tp.world)  # ranks share the host's cores
     torch.set_num_threads(threads)
@@ -238,7 +189,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
         "vocab": c.vocab_size, "dtype": str(model.dtype).removeprefix("torch."),
     }
     doc["bench"] = {
-        "command": command(config, threads),
+        "command": config.command(threads),
         "max_len": config.max_len, "contexts": list(config.contexts), "steps": config.steps,
         "repeats": config.repeats, "warmup": config.warmup, "prompt": source,
         "timing": "per request: ms_per_token = decode wall time / steps (all tokens back on the host), "
@@ -248,7 +199,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
     systems: list[System] = []
     doc["systems"], doc["notes"], rows = [], [], []
     work = len(config.systems) * (1 + len(config.contexts) * config.repeats) + (config.attention_lengths is not None)
-    with progress_bar(work, enabled=config.progress) as advance:
+    with progress_bar("bench", work, enabled=config.progress) as advance:
         for name in config.systems:
             advance(f"setting up {name}", 0)
             t0 = time.perf_counter()
@@ -332,8 +283,6 @@ def _attention(config: BenchConfig, device: torch.device, notes: list[str]) -> l
     if bench is None:
         notes.append("attention: skipped (profiles/attention_bench.py is only in a source checkout)")
         return []
-    from capture import BucketLadder
-
     # The lengths the targets compare: the bucket of max_len/16 and max_len, for this sweep's max_len and for
     # the longest attention length (an 8B-sized cache).
     lengths = set(config.attention_lengths)
@@ -345,25 +294,3 @@ def _attention(config: BenchConfig, device: torch.device, notes: list[str]) -> l
     for r in rows:
         r["read_bandwidth_gbps"] = round(bandwidth, 2)
     return rows
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register `bench` with the static-decode CLI (static_decode/cli.py's COMMAND_MODULES)."""
-    from static_decode.bench_report import add_arguments
-
-    p = subparsers.add_parser("bench", help="decode latency and prefill of every system side by side")
-    add_arguments(p)
-    p.set_defaults(run=run_cli, distributed=True)
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    from static_decode.bench_report import config_from_args, report
-
-    config = config_from_args(args)
-    launch = getattr(args, "launch", None)  # under torchrun: this rank's shard and device
-    if launch is not None:
-        config.tp, config.device = launch.tp, str(launch.device)
-    doc = run(config)
-    if launch is None or launch.is_main:  # one rank writes the files
-        report(doc, json_path=args.json, plot_path=args.plot)
-    return 0

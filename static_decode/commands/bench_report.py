@@ -1,4 +1,4 @@
-"""`static-decode bench`'s options, progress bar, terminal tables, plot, JSON and the issue's targets.
+"""`static-decode bench`'s report: terminal tables, plot, JSON and the targets, from the run's JSON document.
 
 The JSON document (`--json PATH`):
 
@@ -15,106 +15,15 @@ The JSON document (`--json PATH`):
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from capture.report import int_list
-from static_decode.bench import QUICK, BenchConfig
-from static_decode.bench_systems import SYSTEMS
+from capture.buckets import BucketLadder
 
 SPEEDUP_TARGET = 3.0  # static-decode vs transformers, per token, at every context
 CLEARLY_BELOW = 1.2  # full-read / static-decode at max_len/16 counts as "clearly below" from here
 ATTENTION_SLACK = 1.25  # attention(bucket) / attention(max_len) within this factor of bucket / max_len
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = BenchConfig()
-    p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: embedded model)")
-    p.add_argument("--contexts", type=int_list, default=None, help=f"live context lengths (default {d.contexts})")
-    p.add_argument("--max-len", type=int, default=d.max_len, help="cache capacity (fixed over the sweep)")
-    p.add_argument("--steps", type=int, default=None, help=f"timed decode steps per request (default {d.steps})")
-    p.add_argument("--repeats", type=int, default=None, help=f"timed requests per point (default {d.repeats})")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed requests per point first")
-    p.add_argument("--systems", type=lambda s: tuple(x for x in s.split(",") if x), default=SYSTEMS,
-                   help=f"comma-separated, from {','.join(SYSTEMS)}")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    p.add_argument("--attention-lengths", type=int_list, default=None, help="attention microbenchmark lengths")
-    p.add_argument("--no-attention", action="store_true", help="skip the attention microbenchmark")
-    p.add_argument("--transformers-compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile transformers' decode step as its docs show (default) or run it eager")
-    p.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager", "eager"),
-                   help="torch.compile backend of the compiled systems (not inductor: dynamo only, for debugging)")
-    p.add_argument("--quick", action="store_true", help=f"a short sweep: {QUICK} unless given")
-    p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
-    p.add_argument("--plot", type=Path, default=None, help="write a PNG of ms/token against context here")
-    p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler Chrome trace here")
-    p.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
-                   help="before each timed request wait up to S s for the CPUs to be >= 90%% idle (shared machines)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    d, q = BenchConfig(), QUICK if args.quick else {}
-
-    def pick(name: str) -> Any:
-        given = getattr(args, name)
-        return given if given is not None else q.get(name, getattr(d, name))
-
-    settings = None  # the device default of capture/
-    if args.compile_backend != "inductor":
-        from capture import CompileSettings
-
-        settings = CompileSettings(backend=args.compile_backend)
-    return BenchConfig(
-        settings=settings, contexts=pick("contexts"), max_len=args.max_len, steps=pick("steps"),
-        repeats=pick("repeats"),
-        warmup=args.warmup, systems=args.systems, model=args.model, threads=args.threads, device=args.device,
-        dtype=args.dtype, attention_lengths=None if args.no_attention else pick("attention_lengths"),
-        transformers_compile=args.transformers_compile, progress=not args.quiet, profile=args.profile,
-        wait_idle=args.wait_idle,
-    )
-
-
-def command(config: BenchConfig, threads: int) -> str:
-    """The command line that repeats this run (output paths left out)."""
-    launcher = f"torchrun --nproc-per-node {config.tp.world} -m static_decode" if config.tp.enabled else "static-decode"
-    parts = [f"{launcher} bench", f"--contexts {','.join(map(str, config.contexts))}",
-             f"--max-len {config.max_len}", f"--steps {config.steps}", f"--repeats {config.repeats}",
-             f"--warmup {config.warmup}", f"--systems {','.join(config.systems)}", f"--threads {threads}"]
-    parts += [f"--model {config.model}"] if config.model else []
-    parts += [f"--device {config.device}"] if config.device else []
-    parts += [f"--dtype {config.dtype}"] if config.dtype else []
-    if config.attention_lengths is None:
-        parts.append("--no-attention")
-    else:
-        parts.append(f"--attention-lengths {','.join(map(str, config.attention_lengths))}")
-    parts += [] if config.transformers_compile else ["--no-transformers-compile"]
-    parts += [f"--wait-idle {config.wait_idle:g}"] if config.wait_idle > 0 else []
-    backend = getattr(config.settings, "backend", "inductor")
-    parts += [] if backend == "inductor" else [f"--compile-backend {backend}"]
-    return " ".join(parts)
-
-
-@contextlib.contextmanager
-def progress_bar(total: int, *, enabled: bool) -> Iterator[Callable[[str, int], None]]:
-    """A rich progress bar on stderr; `advance(text, n)`."""
-    if not enabled:
-        yield lambda text, n: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.description}"))
-    with Progress(*columns, console=Console(stderr=True)) as bar:
-        task = bar.add_task("", total=total)
-        yield lambda text, n: bar.update(task, advance=n, description=text)
 
 
 def _ms(doc: dict[str, Any], system: str, context: int) -> float | None:
@@ -123,8 +32,6 @@ def _ms(doc: dict[str, Any], system: str, context: int) -> float | None:
 
 def targets(doc: dict[str, Any]) -> dict[str, Any]:
     """The issue's targets as measured ratios (a target whose systems did not run is absent)."""
-    from capture import BucketLadder
-
     out: dict[str, Any] = {}
     contexts, max_len = doc["bench"]["contexts"], doc["bench"]["max_len"]
     pairs = [(c, _ms(doc, "static-decode", c), _ms(doc, "transformers", c)) for c in contexts]

@@ -31,13 +31,15 @@ from typing import Any, Protocol
 
 import torch
 
+from capture.buckets import BucketLadder
+from capture.settings import CaptureOptions
 from static_decode.generator import Generator
 from static_decode.model import Llama
 
 SYSTEMS = ("static-decode", "static-decode-eager", "full-read", "concat", "transformers")
 TP_SYSTEMS = ("static-decode", "static-decode-eager", "full-read")  # the ones that run a tensor-parallel shard
 GREEDY_KINDS = ("prefill", "first_greedy", "decode_greedy")
-PROFILES = Path(__file__).resolve().parents[1] / "profiles"  # only in a source checkout
+PROFILES = Path(__file__).resolve().parents[2] / "profiles"  # only in a source checkout
 
 
 class System(Protocol):
@@ -69,14 +71,11 @@ class GeneratorSystem:
             self.gen = Generator(model, max_len=max_len, batch=1)
             self.mode = "eager, reads the live length"
             return
-        from capture import BucketLadder, CaptureOptions
-
         ladder = BucketLadder.of([max_len] if name == "full-read" else None, max_len)
         opts = CaptureOptions(buckets=ladder, settings=settings, kinds=GREEDY_KINDS, progress=False)
         self.gen = Generator(model, max_len=max_len, batch=1, compile=True, capture=opts)
-        registry = self.gen._registry
         rungs = ",".join(map(str, ladder.lengths))
-        self.mode = f"compiled ({registry.settings.describe()}), reads rungs [{rungs}]"
+        self.mode = f"compiled ({self.gen.runner.settings.describe()}), reads rungs [{rungs}]"
         self._stream = None
 
     def start(self, prompt: list[int], new_tokens: int) -> None:
@@ -88,7 +87,7 @@ class GeneratorSystem:
 
     def read_len(self, length: int) -> int:
         """The read length of a step whose longest row holds `length` tokens."""
-        return self.gen._read_len(length)
+        return self.gen.read_len(length)
 
 
 class _LoopSystem:

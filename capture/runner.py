@@ -1,0 +1,104 @@
+"""The compiled step runner: the capture policy for the generator's steps over one cache and one set of buffers.
+
+The generator asks any runner two things (`static_decode.steps.StepRunner`): the read length of a step (here
+rounded up to a rung of the bucket ladder) and the callable of a step kind at that length (here the
+registry's compiled step). What is decided here, not in the generator:
+
+* which kinds are unbucketed: `first` / `first_greedy` read no cache, so they get one graph each (read_len 0);
+* the static tensors: the cache's K/V and lengths and every step buffer, marked as static addresses so that
+  reduce-overhead records CUDA graphs instead of skipping them;
+* the scratch state of warm-up: every row `done`, `n_new` 0 (nothing is appended; padded K/V lands in the
+  cache's spare row), and every buffer and the lengths restored afterwards, so warm-up leaves no trace;
+* the compile settings: `CompileSettings.for_device` unless given, aware of a tensor-parallel model's
+  collectives backend; fallback to eager per kind by default only for a tensor-parallel model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+from capture.buckets import BucketLadder
+from capture.registry import Pair, StepRegistry, preserving
+from capture.report import CaptureRecord, CaptureReport
+from capture.settings import CaptureOptions, CompileSettings
+from static_decode.cache import StaticKVCache
+from static_decode.model import Llama
+from static_decode.steps import STEPS, UNBUCKETED, StepBuffers, StepFn
+
+
+class CompiledRunner:
+    """Compiled steps over `cache` and `bufs`, one graph per (kind, read bucket); warmed up per `options`."""
+
+    def __init__(
+        self, model: Llama, cache: StaticKVCache, bufs: StepBuffers, options: CaptureOptions | None = None
+    ) -> None:
+        opts = CaptureOptions() if options is None else options
+        if not isinstance(opts, CaptureOptions):
+            raise TypeError(f"capture must be a capture.CaptureOptions, got {type(opts).__name__}")
+        self.options = opts
+        live = [cache.lens, *bufs.tensors().values()]
+
+        def idle() -> contextlib.AbstractContextManager[None]:
+            return preserving(live, prepare=lambda: (bufs.done.fill_(True), bufs.n_new.zero_()))
+
+        tp = model.tp
+        settings = opts.settings or CompileSettings.for_device(cache.device, collectives=tp.backend())
+        self.registry = StepRegistry(
+            STEPS, BucketLadder.of(opts.buckets, cache.max_len), args=(model, cache, bufs),
+            device=cache.device, settings=settings, unbucketed=UNBUCKETED,
+            static_tensors=[cache.k, cache.v, *live], scratch=idle,
+            fallback=tp.enabled if opts.fallback is None else opts.fallback,
+        )
+        if opts.warm_up == "all":
+            self.warm_up(opts.kinds, progress=opts.progress)
+
+    # ---- the StepRunner protocol -------------------------------------------------------------------------
+    def read_len(self, longest: int) -> int:
+        return self.registry.ladder.bucket_for(longest)
+
+    def step(self, kind: str, read_len: int) -> StepFn:
+        return self.registry.step(kind, read_len)
+
+    # ---- what was captured, and capturing more -------------------------------------------------------------
+    @property
+    def ladder(self) -> BucketLadder:
+        return self.registry.ladder
+
+    @property
+    def settings(self) -> CompileSettings:
+        return self.registry.settings
+
+    @property
+    def cudagraphs(self) -> bool:
+        """Whether the steps run as CUDA graphs."""
+        return self.registry.cudagraphs
+
+    @property
+    def records(self) -> dict[Pair, CaptureRecord]:
+        """One record per (kind, read_len) compiled so far (warm-up or first use)."""
+        return dict(self.registry.records)
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        """Kinds that run their eager step (compile or capture failed), with the reason."""
+        return dict(self.registry.fallbacks)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.registry.kinds
+
+    def pairs(self, kinds: Iterable[str] | None = None) -> list[Pair]:
+        """Every (kind, read_len) of these kinds (default: all), largest reads first."""
+        return self.registry.pairs(kinds)
+
+    def warm_up(
+        self, kinds: Iterable[str] | None = None, *, buckets: Iterable[int] | None = None, progress: bool = True
+    ) -> CaptureReport:
+        """Compile (and capture) every pair of `kinds` (default: all) at `buckets` (default: every rung) not
+        captured yet, on scratch state; return their records."""
+        pairs = self.registry.pairs(kinds)
+        if buckets is not None:
+            wanted = {self.registry.ladder.bucket_for(b) for b in buckets}
+            pairs = [(k, n) for k, n in pairs if k in UNBUCKETED or n in wanted]
+        return self.registry.warm_up(pairs, progress=progress)

@@ -1,0 +1,82 @@
+"""The `static-decode` command line (also `python -m static_decode`).
+
+Subcommands come from the modules named in `COMMAND_MODULES`, imported when the parser is built. A module
+joins by defining `add_parser(subparsers) -> None`, which adds its parser(s) and sets `run=<fn(args) -> int>`
+on each with `set_defaults`. A listed module that does not exist (or does not define `add_parser` yet) adds
+nothing; any other import error is raised. Building the parser imports no compiler (torch._dynamo): the
+commands load what they run inside their `run`.
+
+Under torchrun (WORLD_SIZE > 1, static_decode.launch) commands that set `distributed=True` run on every rank
+with `args.launch` telling them their rank, device and shard; the others refuse to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+COMMAND_MODULES: tuple[str, ...] = (
+    "static_decode.commands.generate",
+    "static_decode.commands.capture_report",
+    "static_decode.commands.bench",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="static-decode", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is not None and (name == e.name or name.startswith(e.name + ".")):  # not there yet
+                continue
+            raise
+        add = getattr(module, "add_parser", None)
+        if add is not None:
+            add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from static_decode.commands import launch
+
+    args = build_parser().parse_args(argv)
+    try:
+        env = launch.distributed_env()
+    except ValueError as e:
+        print(f"static-decode {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    if env is None:
+        return _run(args, sys.stderr, "")
+    if not getattr(args, "distributed", False):
+        print(
+            f"static-decode {args.command}: error: this command does not run under torchrun "
+            f"(WORLD_SIZE={env[1]}); run it as a single process",
+            file=sys.stderr,
+        )
+        return 2
+    with contextlib.ExitStack() as stack:
+        try:
+            where = stack.enter_context(launch.session(getattr(args, "device", None)))
+        except ValueError as e:  # a device this rank cannot have
+            print(f"static-decode {args.command} [rank {env[0]}]: error: {e}", file=sys.stderr)
+            return 2
+        args.launch = where
+        return _run(args, where.stderr, f" [rank {where.tp.rank}]")
+
+
+def _run(args: argparse.Namespace, stderr: TextIO, who: str) -> int:
+    try:
+        return args.run(args)
+    except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
+        print(f"static-decode {args.command}{who}: error: {e}", file=stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""One generation request, checked on the host before anything changes (a refused request leaves the
+generator exactly as it was)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from static_decode.checks import check_int
+
+
+@dataclass(frozen=True)
+class Request:
+    """A checked request: the prompt rows and how to pick tokens."""
+
+    rows: list[list[int]]  # one list of prompt ids per row (a single prompt is one row)
+    single: bool  # the caller passed one prompt (a flat list), so it gets one list of ids back
+    max_new_tokens: int
+    temperature: float  # 0 = greedy
+    top_k: int | None
+    top_p: float | None
+    seed: int | None
+    stop_at_eos: bool
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r) for r in self.rows)
+
+
+def _is_id(t: object) -> bool:
+    return isinstance(t, int | np.integer) and not isinstance(t, bool)
+
+
+def check_request(
+    prompt: object,
+    max_new_tokens: object,
+    *,
+    temperature: object = 0.0,
+    top_k: object = None,
+    top_p: object = None,
+    seed: object = None,
+    stop_at_eos: bool = True,
+    vocab_size: int,
+    max_len: int,
+    max_batch: int | None = None,
+) -> Request:
+    """The checked request, or a ValueError/TypeError naming the bad value (rows: at most `max_batch`)."""
+    if not isinstance(prompt, Sequence | np.ndarray) or isinstance(prompt, str | bytes) or len(prompt) == 0:
+        raise ValueError(f"prompt must be a non-empty list of token ids or of such lists, got {prompt!r}")
+    single = all(_is_id(t) for t in prompt)
+    rows = [list(prompt)] if single else [list(p) if isinstance(p, Sequence | np.ndarray) else p for p in prompt]
+    max_new = check_int("max_new_tokens", max_new_tokens, minimum=1)
+    for b, row in enumerate(rows):
+        if not isinstance(row, list) or not row:
+            raise ValueError(f"prompt row {b} must be a non-empty list of token ids, got {row!r}")
+        for t in row:
+            if not _is_id(t) or not 0 <= t < vocab_size:
+                raise ValueError(f"prompt row {b} holds {t!r}; token ids must be ints in 0..{vocab_size - 1}")
+        if len(row) + max_new > max_len:
+            raise ValueError(
+                f"prompt row {b} has {len(row)} tokens; with max_new_tokens={max_new} that needs "
+                f"{len(row) + max_new} > max_len={max_len} positions"
+            )
+    if max_batch is not None and len(rows) > max_batch:
+        raise ValueError(f"the request has {len(rows)} rows, this generator was built for batch={max_batch}")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature < 1e30:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None:
+        check_int("top_k", top_k, minimum=1)
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if seed is not None:
+        check_int("seed", seed, minimum=0)
+    return Request(
+        rows=[[int(t) for t in r] for r in rows], single=single, max_new_tokens=max_new,
+        temperature=float(temperature), top_k=None if top_k is None else int(top_k),
+        top_p=None if top_p is None else float(top_p), seed=None if seed is None else int(seed),
+        stop_at_eos=bool(stop_at_eos),
+    )

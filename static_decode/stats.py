@@ -1,0 +1,32 @@
+"""Timings of one generation request, as the host saw them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class GenerationStats:
+    """Timings of the last request (host wall clock; each ends at a read-back, so device work is included)."""
+
+    prompt_tokens: int  # real prompt tokens over all rows
+    new_tokens: int  # emitted tokens over all rows (EOS included)
+    prefill_s: float  # from the request's start to the first token back on the host
+    decode_s: float  # from then to the last token back on the host
+    decode_steps: int  # decode steps launched (each emits one token per live row)
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1e3 * self.decode_s / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.prefill_s + self.decode_s
+        return self.new_tokens / total if total > 0 else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"prefill {1e3 * self.prefill_s:.1f} ms ({self.prompt_tokens} tokens), "
+            f"{self.ms_per_step:.2f} ms per decoded token ({self.decode_steps} steps), "
+            f"{self.tokens_per_s:.1f} tokens/s ({self.new_tokens} new tokens)"
+        )
