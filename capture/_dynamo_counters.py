@@ -97,17 +97,27 @@ def recompile_limit() -> int | None:
     return None if name is None else int(getattr(_dynamo_config(), name))
 
 
+def accumulated_recompile_limit() -> int | None:
+    """Dynamo's cap on the graphs of one code object over all its compiles (whatever this torch calls it)."""
+    name = _config_name(_ACCUMULATED_LIMIT_NAMES)
+    return None if name is None else int(getattr(_dynamo_config(), name))
+
+
 def raise_recompile_limit(at_least: int) -> None:
     """Make sure one code object may hold `at_least` compiled graphs (never lowers a larger setting).
 
+    Both limits (per code object and accumulated), under every spelling this torch has: where the old name is
+    an alias of the new one (torch 2.7+) setting both is one setting; where only one exists, that one is set.
     Process-wide on purpose: the limit is checked whenever a compiled function is called, not only while
     compiling, so a scoped patch around warm-up would not cover a lazily compiled bucket later.
     """
     cfg = _dynamo_config()
+    at_least = int(at_least)
     for pairs in (_LIMIT_NAMES, _ACCUMULATED_LIMIT_NAMES):
-        name = _config_name(pairs)
-        if name is not None and int(getattr(cfg, name)) < at_least:
-            setattr(cfg, name, int(at_least))
+        for new, old in pairs:
+            for name in (new, old):
+                if hasattr(cfg, name) and int(getattr(cfg, name)) < at_least:
+                    setattr(cfg, name, at_least)
 
 
 def recompile_error_type() -> type[BaseException]:

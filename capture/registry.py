@@ -13,8 +13,11 @@ What the registry takes care of:
   for a module passed as an argument (the cache), but not plain tensors such as a dataclass of step buffers;
   so the registry calls `torch._dynamo.mark_static_address` on every tensor it is given (cache included, for
   older torch). The GPU tests check `cudagraph_skips == 0`.
-* the recompile limit: kinds x buckets graphs must fit under dynamo's limit (set on each compile where torch
-  supports it, otherwise raised process-wide);
+* the recompile limit: kinds x buckets graphs must fit under dynamo's limit. Where torch.compile takes a
+  per-compile limit (2.13+) it is set on each compile; otherwise (torch 2.11 on the GPU machines) the
+  process-wide limits are raised to the graphs of every registry made so far plus RECOMPILE_HEADROOM (never
+  lowered), at construction and again before every compile (warm-up, a lazy first call), in case something
+  lowered them in between (a `torch._dynamo.config.patch` that ended, say);
 * warm-up: `warm_up()` runs every pair (three calls each under CUDA graphs: warm-up, record, replay),
   inside the owner's `scratch` context that puts the state in a harmless configuration (no row appends
   anything) and restores it afterwards, so the cache and the buffers are exactly as before; a rich progress
@@ -48,7 +51,7 @@ from capture import _dynamo_counters as dc
 from capture.buckets import BucketLadder
 from capture.guards import count_compiles
 from capture.report import CaptureRecord, CaptureReport
-from capture.settings import CompileSettings
+from capture.settings import RECOMPILE_HEADROOM, CompileSettings
 from static_decode import ranges
 from static_decode.progress import console, progress_bar
 
@@ -57,6 +60,16 @@ ScratchFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 
 CUDAGRAPH_WARMUP_CALLS = 3  # cudagraph trees: 1st call warms up, 2nd records, 3rd replays (checked here)
 _GRAPHS_REQUESTED = 0  # all pairs of all registries in this process (the process-wide limit must cover them)
+
+
+def _raise_recompile_limit() -> None:
+    """Process-wide limits >= every pair of every registry so far + headroom (what torch < 2.13 relies on).
+
+    Without per-compile isolation all compiles of one step function share its code object's graphs, so one
+    code object may hold the graphs of every registry made in this process (a regrown cache, several
+    Generators): `_GRAPHS_REQUESTED` bounds that from above, whatever `torch._dynamo.reset()` cleared.
+    """
+    dc.raise_recompile_limit(_GRAPHS_REQUESTED + RECOMPILE_HEADROOM)
 
 
 @contextlib.contextmanager
@@ -81,6 +94,8 @@ class StepRegistry:
     unbucketed: kinds that read no cache (always called with read_len 0: one graph each);
     static_tensors: tensors steps mutate (marked as static addresses under CUDA graphs);
     scratch: a context factory for warm-up (see `preserving`); without it, warm-up runs on the live state;
+    before_call: run before every warm-up call of a pair: resets what a call consumes (an output index, say),
+        since under CUDA graphs a pair is called `warm_up_calls` times inside one scratch context;
     fallback: run a kind eagerly (and say why in its records) when it fails to compile or capture.
     """
 
@@ -95,6 +110,7 @@ class StepRegistry:
         unbucketed: Iterable[str] = (),
         static_tensors: Iterable[torch.Tensor] = (),
         scratch: ScratchFactory | None = None,
+        before_call: Callable[[], Any] | None = None,
         fallback: bool = False,
     ) -> None:
         global _GRAPHS_REQUESTED
@@ -115,13 +131,14 @@ class StepRegistry:
         self.cudagraphs = self.settings.cudagraphs(self.device)
         self.args = tuple(args)
         self.scratch = scratch
+        self.before_call = before_call
         self._eager = dict(steps)
         if self.cudagraphs:
             for t in static_tensors:
                 dc.mark_static_address(t)
         n_graphs = {k: 1 if k in self.unbucketed else len(ladder) for k in steps}
         _GRAPHS_REQUESTED += sum(n_graphs.values())
-        dc.raise_recompile_limit(max(_GRAPHS_REQUESTED, max(n_graphs.values())) + 8)
+        _raise_recompile_limit()
         self._compiled = {k: self.settings.compile(fn, graphs=n_graphs[k]) for k, fn in steps.items()}
         self._runners = {k: self._runner(k) for k in self._compiled}
         self._rungs = frozenset(ladder.lengths)
@@ -191,24 +208,34 @@ class StepRegistry:
 
     def _first_call(self, pair: Pair, a: tuple[Any, ...]) -> Any:
         """Lazy capture: a real call of a pair that was not warmed up; timed and recorded."""
+        _raise_recompile_limit()
         out, record = self._measure(pair, lambda: self._runners[pair[0]](*a), calls=1)
         self.records[pair] = record
         return out
 
     # ---- warm-up / capture --------------------------------------------------------------------------------
+    @property
+    def warm_up_calls(self) -> int:
+        """Calls per pair at warm-up: cudagraph trees warm up, record, then replay (3); one compile call else."""
+        return CUDAGRAPH_WARMUP_CALLS if self.cudagraphs else 1
+
     def warm_up(self, pairs: Iterable[Pair] | None = None, *, progress: bool = True) -> CaptureReport:
         """Compile (and under CUDA graphs capture) every pair not yet captured; return their records."""
         todo = [self._pair(*p) for p in (self.pairs() if pairs is None else pairs)]
         todo = [p for p in dict.fromkeys(todo) if p not in self.records]
-        calls = CUDAGRAPH_WARMUP_CALLS if self.cudagraphs else 1
+        _raise_recompile_limit()
+        calls = self.warm_up_calls
         t0 = time.perf_counter()
         scratch = self.scratch() if self.scratch is not None else contextlib.nullcontext()
         with scratch, progress_bar("capture", len(todo), enabled=progress and bool(todo)) as advance:
             for kind, read_len in todo:
                 # The runner is looked up at each call: a fallback inside _measure swaps it for the eager one.
-                _, record = self._measure(
-                    (kind, read_len), lambda k=kind, n=read_len: self._runners[k](*self.args, n), calls=calls
-                )
+                def call(k: str = kind, n: int = read_len) -> Any:
+                    if self.before_call is not None:
+                        self.before_call()
+                    return self._runners[k](*self.args, n)
+
+                _, record = self._measure((kind, read_len), call, calls=calls)
                 self.records[(kind, read_len)] = record
                 advance(f"{kind} @ {read_len}: {record.seconds:.1f} s")
         report = CaptureReport(

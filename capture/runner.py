@@ -8,7 +8,8 @@ registry's compiled step). What is decided here, not in the generator:
 * the static tensors: the cache's K/V and lengths and every step buffer, marked as static addresses so that
   reduce-overhead records CUDA graphs instead of skipping them;
 * the scratch state of warm-up: every row `done`, `n_new` 0 (nothing is appended; padded K/V lands in the
-  cache's spare row), and every buffer and the lengths restored afterwards, so warm-up leaves no trace;
+  cache's spare row), the output index reset before every call, and every buffer and the lengths restored
+  afterwards, so warm-up leaves no trace;
 * the compile settings: `CompileSettings.for_device` unless given, aware of a tensor-parallel model's
   collectives backend; fallback to eager per kind by default only for a tensor-parallel model.
 """
@@ -16,6 +17,7 @@ registry's compiled step). What is decided here, not in the generator:
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterable
 
 from capture.buckets import BucketLadder
@@ -25,6 +27,18 @@ from capture.settings import CaptureOptions, CompileSettings
 from static_decode.cache import StaticKVCache
 from static_decode.model import Llama
 from static_decode.steps import STEPS, UNBUCKETED, StepBuffers, StepFn
+
+
+def _own_copy(fn: StepFn) -> StepFn:
+    """`fn` with a code object and a globals dict of its own. Dynamo keeps its cache entries on the code object
+    and installs each compiled graph as a global of the compiled frame (`__compiled_fn_N`); under CUDA graphs
+    those graphs hold the static-address tensors they were compiled over (cache, buffers) as attributes. With the
+    shared step functions all of that would live as long as the process; with a copy per runner it goes when the
+    runner goes (a regrowth, a new Generator), and each runner's recompile count is its own."""
+    own_globals = dict(fn.__globals__)  # a snapshot of static_decode.steps' names (functions, torch, PAD)
+    copy = types.FunctionType(fn.__code__.replace(), own_globals, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    return copy
 
 
 class CompiledRunner:
@@ -44,14 +58,29 @@ class CompiledRunner:
 
         tp = model.tp
         settings = opts.settings or CompileSettings.for_device(cache.device, collectives=tp.backend())
+        self._fns = {kind: _own_copy(fn) for kind, fn in STEPS.items()}
         self.registry = StepRegistry(
-            STEPS, BucketLadder.of(opts.buckets, cache.max_len), args=(model, cache, bufs),
+            self._fns, BucketLadder.of(opts.buckets, cache.max_len), args=(model, cache, bufs),
             device=cache.device, settings=settings, unbucketed=UNBUCKETED,
             static_tensors=[cache.k, cache.v, *live], scratch=idle,
+            # Each emitting call advances the output index; reset it, or 3 calls per pair under CUDA graphs
+            # (x kinds x buckets) would scatter past the end of `bufs.out` when max_len is small.
+            before_call=bufs.step.zero_,
             fallback=tp.enabled if opts.fallback is None else opts.fallback,
         )
         if opts.warm_up == "all":
             self.warm_up(opts.kinds, progress=opts.progress)
+
+    def close(self) -> None:
+        """Drop the compiled steps: their cache entries, the graphs installed as globals and (under CUDA graphs)
+        the cache and buffers those graphs hold, so they are freed with this runner's Generator state. The
+        Generator calls it before it allocates anew (a regrowth); the runner cannot run steps afterwards."""
+        import torch._dynamo
+
+        for fn in self._fns.values():
+            torch._dynamo.reset_code(fn.__code__)  # this runner's own copies only: other runners keep theirs
+        self._fns.clear()
+        self.registry = None
 
     # ---- the StepRunner protocol -------------------------------------------------------------------------
     def read_len(self, longest: int) -> int:

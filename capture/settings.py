@@ -27,6 +27,11 @@ CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 # setting there. Override with CompileSettings(...) when your CPU model says otherwise.
 CPU_OPTIONS: Mapping[str, Any] = {"cpp_wrapper": True}
 
+# Graphs a compiled step may hold beyond its own read buckets before dynamo's recompile limit stops it. Extra
+# graphs are not expected (the guards count recompiles and the tests pin them at zero); the margin keeps one
+# stray guard failure from turning into a FailOnRecompileLimitHit (fullgraph) in the middle of a request.
+RECOMPILE_HEADROOM = 8
+
 
 def _compile_accepts(name: str) -> bool:
     """Whether this torch.compile takes keyword `name` (recompile_limit, isolate_recompiles are new)."""
@@ -94,9 +99,11 @@ class CompileSettings:
     def compile(self, fn: Callable[..., Any], *, graphs: int) -> Callable[..., Any]:
         """torch.compile `fn`, allowing it `graphs` compiled graphs (its read buckets).
 
-        Where torch supports it (2.13+), the limit is set on this compile and its graphs are isolated from
-        other compiles of the same function (several Generators in one process do not share or exhaust one
-        code cache); older torch only has the process-wide limit, which the caller raises.
+        Where torch supports it (2.13+), the limit (`graphs` + RECOMPILE_HEADROOM) is set on this compile and
+        its graphs are isolated from other compiles of the same function (several Generators in one process do
+        not share or exhaust one code cache). Older torch (2.11 on the GPU machines) has only the process-wide
+        limits, shared by every compile of a function: the caller (`StepRegistry`) raises those to the graphs
+        of every registry so far plus the headroom, never lowering them.
         """
         kwargs: dict[str, Any] = {"fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.backend}
         if self.options:
@@ -104,7 +111,7 @@ class CompileSettings:
         elif self.mode not in (None, "default"):
             kwargs["mode"] = self.mode
         if _compile_accepts("recompile_limit") and _compile_accepts("isolate_recompiles"):
-            kwargs["recompile_limit"] = graphs
+            kwargs["recompile_limit"] = int(graphs) + RECOMPILE_HEADROOM
             kwargs["isolate_recompiles"] = True
         return torch.compile(fn, **kwargs)
 

@@ -19,7 +19,6 @@ step.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -31,6 +30,7 @@ from capture.settings import CaptureOptions
 from static_decode import ranges, sampling
 from static_decode.cache import StaticKVCache
 from static_decode.checks import check_int
+from static_decode.memory import check_fits, generation_bytes
 from static_decode.model import Llama
 from static_decode.request import Request, check_request
 from static_decode.stats import GenerationStats
@@ -87,6 +87,7 @@ class Generator:
         self.bufs: StepBuffers | None = None
         self.runner: StepRunner = EagerRunner()  # compile=True: a capture.CompiledRunner once allocated
         self.stats: GenerationStats | None = None
+        self._busy = False  # a request is running on the cache (an open stream, say)
         if self.fixed_batch is not None:
             self._allocate(self.fixed_batch)
 
@@ -117,12 +118,21 @@ class Generator:
 
     def _allocate(self, batch: int) -> None:
         m = self.model
+        # Refuse a size the device cannot hold before anything is allocated: one ValueError in GiB instead of an
+        # allocator traceback (or the OOM killer), and this generator keeps its current cache and buffers.
+        need = generation_bytes(
+            m.config, batch, self.max_len, self.chunk_size, len(self.eos_token_ids), m.dtype, kv_heads=m.kv_heads
+        )
+        check_fits(need, m.device, "the KV cache and step buffers")
+        close = getattr(self.runner, "close", None)
+        if close is not None:  # compiled steps over the old cache would otherwise keep it alive (CUDA graphs)
+            close()
+        self.runner, self.cache, self.bufs = EagerRunner(), None, None  # the old state goes before the new comes
         self.cache = m.new_cache(batch, self.max_len)
         self.bufs = StepBuffers.allocate(
             batch, self.chunk_size, self.max_len, m.config.hidden_size, len(self.eos_token_ids),
             dtype=m.dtype, device=m.device,
         )
-        self.runner = EagerRunner()
         if self.compile:  # loaded here: the capture layer pulls in torch._dynamo, which eager use never needs
             from capture.runner import CompiledRunner
 
@@ -188,7 +198,7 @@ class Generator:
         cache, bufs = self.cache, self.bufs
         B = cache.batch
         cache.reset()
-        seed = random.getrandbits(64) if req.seed is None else req.seed
+        seed = self.model.tp.shared_random_bits(64) if req.seed is None else req.seed  # same on every rank
         bufs.done.copy_(torch.from_numpy(np.arange(B) >= len(req.rows)))  # spare rows are done from the start
         bufs.step.zero_()
         bufs.next.zero_()
@@ -219,6 +229,18 @@ class Generator:
 
     def _run(self, req: Request, every: int) -> Iterator[list[list[int]]]:
         """Run one checked request, yielding each read-back as a list of new tokens per row."""
+        if self._busy:  # checked before anything changes: the open request keeps its cache and buffers
+            raise RuntimeError(
+                "this Generator is still running a stream: finish it (or call its .close()) before the next "
+                "request, which would otherwise reset the cache under it"
+            )
+        self._busy = True
+        try:
+            yield from self._run_unlocked(req, every)
+        finally:
+            self._busy = False
+
+    def _run_unlocked(self, req: Request, every: int) -> Iterator[list[list[int]]]:
         self._prepare(req)  # may allocate and capture: untimed
         t0 = time.perf_counter()
         cache, bufs, model, R, max_new = self.cache, self.bufs, self.model, len(req.rows), req.max_new_tokens

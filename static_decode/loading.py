@@ -12,12 +12,15 @@ tensors (embedding, norms, LM head, row-parallel biases) are read whole by every
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from static_decode.config import LlamaConfig, eos_ids
 from static_decode.model import Llama, hf_name
@@ -81,6 +84,23 @@ def load_config(path: str | Path) -> LlamaConfig:
     return config
 
 
+def _reason(error: BaseException) -> str:
+    """The first line of an error from a file reader (the Rust readers' messages can run over several)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+@contextlib.contextmanager
+def _open(file: Path) -> Iterator[Any]:
+    """`safe_open(file)`, with a damaged file (truncated by an interrupted download or copy, or not safetensors at
+    all) refused as a ValueError naming the file: the reader's own SafetensorError names neither file nor cause."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"{file} is truncated or corrupt: {_reason(e)}") from e
+
+
 def weight_files(root: Path) -> dict[str, Path]:
     """Map every stored tensor name to its safetensors file (from the index when sharded)."""
     index = root / INDEX_FILE
@@ -96,7 +116,7 @@ def weight_files(root: Path) -> dict[str, Path]:
     single = root / SINGLE_FILE
     if not single.is_file():
         raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
-    with safe_open(single, framework="pt") as f:
+    with _open(single) as f:
         return {key: single for key in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
 
 
@@ -148,7 +168,7 @@ def load_model(
     for key in wanted:
         by_file.setdefault(files[key], []).append(key)
     for file, keys in by_file.items():  # check every shape before reading any data
-        with safe_open(file, framework="pt") as f:
+        with _open(file) as f:
             for key in keys:
                 shape = tuple(f.get_slice(key).get_shape())
                 if shape != wanted[key]:
@@ -156,7 +176,7 @@ def load_model(
                         f"tensor {key!r} in {file.name} has shape {shape}, the config needs {wanted[key]}"
                     )
     if dtype is None:
-        with safe_open(files["model.embed_tokens.weight"], framework="pt") as f:
+        with _open(files["model.embed_tokens.weight"]) as f:
             dtype = f.get_slice("model.embed_tokens.weight").get_dtype()
             dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(dtype)
         if dtype is None:
@@ -164,7 +184,7 @@ def load_model(
 
     tensors: dict[str, torch.Tensor] = {}
     for file, keys in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with _open(file) as f:
             for key in keys:
                 tensors[key] = _read(f, key, split[key], wanted[key], tp).to(device=device, dtype=dtype)
     model = Llama(config, dtype=dtype, device="meta", tp=tp)
@@ -184,10 +204,16 @@ def _read(f, key: str, dim: int | None, shape: tuple[int, ...], tp: TensorParall
 
 
 def load_tokenizer(path: str | Path):  # -> tokenizers.Tokenizer | None
-    """The `tokenizers` Tokenizer of a checkpoint directory, or None when it has no tokenizer.json."""
+    """The `tokenizers` Tokenizer of a checkpoint directory, or None when it has no tokenizer.json.
+
+    A tokenizer.json that `tokenizers` cannot parse raises ValueError naming the file and the reason.
+    """
     file = Path(path) / "tokenizer.json"
     if not file.is_file():
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(file))
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception for bad JSON or an unknown model layout
+        raise ValueError(f"{file} is not a valid tokenizer file: {_reason(e)}") from e

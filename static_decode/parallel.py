@@ -24,6 +24,7 @@ traces into the graph (an all_reduce + wait_tensor pair), so a compiled step kee
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +137,23 @@ class TensorParallel:
         import torch.distributed as dist
 
         return str(dist.get_backend(self.group))
+
+    def shared_random_bits(self, bits: int = 64) -> int:
+        """A random int every rank agrees on: drawn on group rank 0 and broadcast (world 1: drawn here).
+
+        Sampling without a seed must use the same seed on every rank: the all-reduced logits are identical, so
+        the same noise picks the same tokens, the ranks stop at EOS together and their collectives stay matched.
+        One host broadcast per request, outside every step."""
+        value = random.getrandbits(bits)
+        if self.world == 1:
+            return value
+        self.require_group()
+        import torch.distributed as dist
+
+        box = [value]
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return int(box[0])
 
     def describe(self) -> str:
         return f"tensor-parallel rank {self.rank} of {self.world}" if self.enabled else "single process"

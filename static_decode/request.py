@@ -10,6 +10,9 @@ import numpy as np
 
 from static_decode.checks import check_int
 
+# The sampling buffer holds float32: a smaller positive temperature would round to 0 there and silently run greedy.
+TINIEST_TEMPERATURE = float(np.finfo(np.float32).tiny)
+
 
 @dataclass(frozen=True)
 class Request:
@@ -51,7 +54,7 @@ def check_request(
     max_batch: int | None = None,
 ) -> Request:
     """The checked request, or a ValueError/TypeError naming the bad value (rows: at most `max_batch`)."""
-    if not isinstance(prompt, Sequence | np.ndarray) or isinstance(prompt, str | bytes) or len(prompt) == 0:
+    if not isinstance(prompt, Sequence | np.ndarray) or isinstance(prompt, str | bytes | bytearray) or not len(prompt):
         raise ValueError(f"prompt must be a non-empty list of token ids or of such lists, got {prompt!r}")
     single = all(_is_id(t) for t in prompt)
     rows = [list(prompt)] if single else [list(p) if isinstance(p, Sequence | np.ndarray) else p for p in prompt]
@@ -69,10 +72,14 @@ def check_request(
             )
     if max_batch is not None and len(rows) > max_batch:
         raise ValueError(f"the request has {len(rows)} rows, this generator was built for batch={max_batch}")
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature < 1e30:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None:
-        check_int("top_k", top_k, minimum=1)
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.floating) or not (
+        temperature == 0 or TINIEST_TEMPERATURE <= temperature < 1e30
+    ):
+        raise ValueError(
+            f"temperature must be 0 (greedy) or a finite number in [{TINIEST_TEMPERATURE}, 1e30), got {temperature!r}"
+        )
+    if top_k is not None:  # past the vocabulary it keeps every token: clamped, so any size fits the int64 buffer
+        top_k = min(check_int("top_k", top_k, minimum=1), vocab_size)
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if seed is not None:

@@ -1,7 +1,10 @@
 """StaticKVCache: written once in place, never moved (rule 1), never repeated (rule 2), refused before writing (rule 6).
 
 Pins: growth by torch.cat (copies the whole cache every step), KV repeat for GQA (G x the bytes), a buffer
-that is reallocated, and a failed append that leaves half-written K/V or advanced lengths behind.
+that is reallocated, and a failed append that leaves half-written K/V or advanced lengths behind. The no-copy
+checks cover every attention impl, the default `sdpa_folded` included (its one copy is the boolean mask folded
+over the group, never K or V), and a whole model step, where K/V storage is only written in place and read
+through views by the attention kernel.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from static_decode import StaticKVCache, gqa_attention
+from static_decode import Llama, LlamaConfig, StaticKVCache, gqa_attention
+from static_decode.attention import DEFAULT_IMPL, IMPLS
 
 
 def _raise(*_a, **_k):
@@ -26,7 +30,7 @@ def no_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.Tensor, "repeat_interleave", _raise)
 
 
-@pytest.mark.parametrize("impl", ["matmul", "sdpa"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_no_concat_no_repeat_and_storage_never_moves(no_copies: None, impl: str) -> None:
     with pytest.raises(AssertionError):
         torch.cat([torch.zeros(1)])  # the patch is live
@@ -185,23 +189,99 @@ def test_multi_layer_step_api() -> None:
 FORBIDDEN_ATEN = ("cat", "repeat", "repeat_interleave", "clone", "_to_copy", "copy_", "contiguous", "index_select")
 
 
-@pytest.mark.parametrize("impl", ["matmul", "sdpa"])
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    import torch.utils._pytree as pytree
+
+    return [t for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+
+
+def _storages(*ts: torch.Tensor) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in ts}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_no_copy_at_the_aten_level(impl: str) -> None:
-    """Stronger than patching Python names: no aten op that concatenates, repeats or copies runs at all,
-    so neither K nor V is materialised again (a broadcasting matmul over G would show up here as a copy)."""
+    """Stronger than patching Python names: no aten op that concatenates, repeats or copies runs on K or V,
+    so neither is materialised again (a broadcasting matmul over G would show up here as a copy).
+
+    Every impl but the default runs no such op at all. The default, sdpa_folded, folds the group into the query
+    axis, so its [B, T, S] mask is expanded over G and reshaped to [B, 1, G*T, S]: for a chunk (T > 1) that
+    reshape copies the boolean mask (B*G*T*S bools). That is the one copy it makes; K and V never."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    cache = StaticKVCache(2, 2, 64, 8)
+    kv = _storages(cache.k, cache.v)
     seen: list[str] = []
+    copies: list[tuple[str, torch.dtype, tuple[int, ...], bool]] = []  # forbidden ops: (name, dtype, shape, on K/V)
 
     class Spy(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func.overloadpacket.__name__)
+            name = func.overloadpacket.__name__
+            seen.append(name)
+            if name in FORBIDDEN_ATEN:
+                for t in _tensors(args, kwargs):
+                    copies.append((name, t.dtype, tuple(t.shape), bool(_storages(t) & kv)))
             return func(*args, **(kwargs or {}))
 
-    cache = StaticKVCache(2, 2, 64, 8)
     with Spy():
         cache.append(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), [5, 3])
-        gqa_attention(torch.randn(2, 8, 5, 8), cache, [5, 3], impl=impl)
+        gqa_attention(torch.randn(2, 8, 5, 8), cache, [5, 3], impl=impl)  # a chunk: T = 5
         cache.append(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), [1, 1])
-        gqa_attention(torch.randn(2, 8, 1, 8), cache, [1, 1], impl=impl, read_len=32)
-    assert seen and not set(seen) & set(FORBIDDEN_ATEN), sorted(set(seen) & set(FORBIDDEN_ATEN))
+        gqa_attention(torch.randn(2, 8, 1, 8), cache, [1, 1], impl=impl, read_len=32)  # decode: T = 1
+    assert seen
+    assert not [c for c in copies if c[3]], copies  # nothing copies, repeats or concatenates K or V
+    if impl == "sdpa_folded":
+        assert copies == [("clone", torch.bool, (2, 1, 4, 5, 5), False)], copies  # the chunk's mask over G = 4
+    else:
+        assert copies == [], copies
+
+
+# What may touch the K/V storage in a model step: the in-place write, views, and the attention's readers.
+KV_WRITES = {"index_put_"}
+KV_VIEWS = {"select", "slice", "view", "_unsafe_view", "as_strided", "expand", "transpose", "t", "permute",
+            "unsqueeze", "squeeze", "alias"}
+KV_READERS = {"bmm", "mm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+              "_flash_attention_forward", "_efficient_attention_forward"}
+_DEVICE_CASES = [(impl, "cpu") for impl in IMPLS] + [
+    pytest.param(DEFAULT_IMPL, "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("impl", "device"), _DEVICE_CASES)
+def test_model_step_writes_kv_in_place_and_reads_it_through_views(impl: str, device: str, dtype) -> None:
+    """A whole model step (a prefill chunk, then a decode step) over a multi-layer cache: every aten op that
+    touches the K/V storage is the in-place write, a view, or the attention's reader (the SDPA kernel, or the
+    GEMMs of the matmul impls), and no view of K/V broadcasts it (an `expand` that grows it would be a repeat
+    over G waiting to happen). So no step copies, repeats, casts or rescales K or V, whatever the impl."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    torch.manual_seed(0)
+    model = Llama(cfg, dtype=dtype, device=device, attn_impl=impl)
+    cache = model.new_cache(2, 32)
+    kv = _storages(cache.k, cache.v)
+    touched: set[str] = set()
+    broadcasts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            ins = [t for t in _tensors(args, kwargs) if _storages(t) & kv]
+            out = func(*args, **(kwargs or {}))
+            if ins:
+                touched.add(name)
+                if name == "expand" and out.numel() > ins[0].numel():
+                    broadcasts.append((tuple(ins[0].shape), tuple(out.shape)))
+            return out
+
+    n = torch.tensor([5, 3], device=device)
+    with torch.no_grad(), Spy():
+        model.hidden_states(torch.randint(0, 96, (2, 5), device=device), cache, n, 8)  # a chunk
+        model.step(torch.randint(0, 96, (2, 1), device=device), cache, torch.ones_like(n), 16)  # decode
+    assert touched & KV_WRITES and touched & KV_READERS, touched  # the spy saw the write and the read
+    assert touched <= KV_WRITES | KV_VIEWS | KV_READERS, sorted(touched - (KV_WRITES | KV_VIEWS | KV_READERS))
+    assert not broadcasts, broadcasts
+    assert cache.lens.tolist() == [6, 4]  # both steps ran and advanced

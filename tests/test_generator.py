@@ -164,6 +164,27 @@ def test_stream_reads_lazily(model):
     assert [expected[0], expected[1], *it] == expected
 
 
+def test_a_request_while_a_stream_is_open_is_refused_and_the_stream_survives(model):
+    gen = Generator(model, max_len=48, eos_token_ids=[])
+    expected = gen.generate(PROMPTS[0], 10)
+    other = gen.generate(PROMPTS[1], 5)
+    it = gen.stream(PROMPTS[0], 10, read_every=2)
+    got = [next(it), next(it)]
+    lens, k = gen.cache.lens.clone(), gen.cache.k.clone()
+    with pytest.raises(RuntimeError, match="still running a stream"):
+        gen.generate(PROMPTS[1], 5)
+    second = gen.stream(PROMPTS[1], 5)  # checked now; refused at its first next()
+    with pytest.raises(RuntimeError, match="still running a stream"):
+        next(second)
+    assert torch.equal(gen.cache.lens, lens) and torch.equal(gen.cache.k, k)  # nothing touched
+    assert [*got, *it] == expected  # the open stream carries on as if nothing happened
+    assert gen.generate(PROMPTS[1], 5) == other  # finished: the generator takes requests again
+    it = gen.stream(PROMPTS[0], 10)
+    next(it)
+    it.close()  # closed early: also free
+    assert gen.generate(PROMPTS[1], 5) == other
+
+
 def test_stream_of_a_batch_yields_pieces_per_row(model):
     gen = Generator(model, max_len=48, eos_token_ids=[])
     expected = gen.generate(PROMPTS, 9)

@@ -116,6 +116,8 @@ def test_pick_device():
     if torch.cuda.device_count() < 8:
         with pytest.raises(ValueError, match="LOCAL_RANK=7 needs cuda:7, this machine has"):
             launch.pick_device("cuda", 7)
+    with pytest.raises(ValueError, match="'foo' is not a torch device"):  # one line, not torch's parser error
+        launch.pick_device("foo", 0)
 
 
 def test_single_process_launch_touches_nothing_distributed(monkeypatch):

@@ -45,6 +45,8 @@ def _same_as_single(ranks, ref, world):
         assert got["eager"] == ref["eager"], f"rank {r} greedy tokens differ from the single process"
         # Every rank samples from the same (all-reduced) logits with the same counter-hash noise.
         assert got["sampled"] == ranks[0]["sampled"] == ref["sampled"], f"rank {r} sampled other tokens"
+        # Without a seed each process's own random state would differ: rank 0's seed is broadcast instead.
+        assert got["unseeded"] == ranks[0]["unseeded"], f"rank {r} sampled other tokens without a seed"
         for a, b in zip(got["logits"], ref["logits"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert got["cache_heads"] == CFG.num_kv_heads // world

@@ -56,6 +56,7 @@ def results(ckpt: Path, tp: TensorParallel, compile_mode: str | None) -> dict[st
     gen = Generator(model, max_len=MAX_LEN, chunk_size=CHUNK, eos_token_ids=[])
     out["eager"] = gen.generate(PROMPTS, NEW_TOKENS)
     out["sampled"] = gen.generate(PROMPTS, NEW_TOKENS, temperature=0.9, top_p=0.9, seed=3)
+    out["unseeded"] = gen.generate(PROMPTS, NEW_TOKENS, temperature=1.0)  # each rank's own random state
     out["cache_bytes"] = gen.cache.k.nbytes + gen.cache.v.nbytes
     out["cache_heads"] = gen.cache.kv_heads
     out["weight_elements"] = sum(p.numel() for p in model.parameters())

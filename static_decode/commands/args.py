@@ -1,8 +1,12 @@
-"""argparse types shared by the commands."""
+"""argparse types and argument checks shared by the commands."""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -19,3 +23,41 @@ def int_list(text: str) -> tuple[int, ...]:
 def name_list(text: str) -> tuple[str, ...]:
     """Comma-separated names ("prefill,decode_greedy"), e.g. --kinds, --systems."""
     return tuple(t for t in text.replace(" ", "").split(",") if t)
+
+
+def check_device(requested: str | None) -> torch.device:
+    """The device of `--device` (None: cuda when available, else the CPU), or a one-line ValueError.
+
+    Checked before a model is loaded, so that `--device cuda:7` on a one-GPU machine or `--device cuda` on a CPU
+    build fails as one sentence naming the device and how many CUDA devices there are, rather than as a
+    traceback out of torch's lazy CUDA init (an AssertionError) or its device-string parser (a RuntimeError).
+    Not an argparse `type=`: argparse would print its usage block as well, and this check needs torch.
+    """
+    import torch
+
+    if requested is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cuda = f"this machine has {count} CUDA device{'' if count == 1 else 's'}"
+    if count == 0:
+        cuda += " (no CUDA device is visible)" if torch.backends.cuda.is_built() else " (this torch build has no CUDA)"
+    else:
+        cuda += f", cuda:0..cuda:{count - 1}"
+    try:
+        device = torch.device(requested)
+    except (RuntimeError, ValueError) as e:  # torch's own message lists twenty device types: not one line's worth
+        raise ValueError(f"--device {requested!r} is not a torch device; use cpu, cuda or cuda:N; {cuda}") from e
+    if device.type == "cuda":
+        if count == 0 or (device.index is not None and device.index >= count):
+            raise ValueError(f"--device {requested}: {cuda}" + ("; use --device cpu" if count == 0 else ""))
+    elif device.type == "meta":
+        raise ValueError(f"--device {requested}: meta tensors hold no data; use cpu or cuda; {cuda}")
+    elif device.type != "cpu":  # mps, xpu, ...: usable only if this build and machine have the backend
+        try:
+            torch.empty(0, device=device)
+        except Exception as e:  # AssertionError, NotImplementedError, ModuleNotFoundError, RuntimeError, ...
+            raise ValueError(
+                f"--device {requested}: this torch build or machine cannot use {device.type} devices; "
+                f"use cpu or cuda; {cuda}"
+            ) from e
+    return device

@@ -38,6 +38,7 @@ import torch
 
 from capture.buckets import BucketLadder
 from static_decode import ranges
+from static_decode.commands.args import check_device
 from static_decode.commands.bench_config import PROFILE_STEPS, BenchConfig
 from static_decode.commands.bench_report import targets
 from static_decode.commands.bench_systems import TP_SYSTEMS, System, build, load_profiles_module
@@ -175,7 +176,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
     path = config.model or default_model_path()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = check_device(config.device)  # one line for a device this machine lacks, before the model loads
     doc: dict[str, Any] = {"machine": machine(threads, device)}
     model = load_model(path, dtype=config.dtype, device=device, tp=tp)
     if tp.enabled:

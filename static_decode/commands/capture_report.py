@@ -18,7 +18,7 @@ import torch
 
 from capture.report import CaptureReport
 from capture.settings import CaptureOptions
-from static_decode.commands.args import int_list, name_list
+from static_decode.commands.args import check_device, int_list, name_list
 from static_decode.generator import Generator
 from static_decode.loading import default_model_path, load_model
 
@@ -50,11 +50,11 @@ def run_capture_report(args: Any) -> int:
     """The CLI command: build, print the table, optionally write JSON and check against a baseline."""
     from rich.console import Console
 
+    launch = getattr(args, "launch", None)  # under torchrun: this rank's shard, device and collectives
+    device = launch.device if launch else check_device(args.device)  # a device this machine lacks fails first
     path = args.model or default_model_path()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    launch = getattr(args, "launch", None)  # under torchrun: this rank's shard, device and collectives
-    device = launch.device if launch else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     baseline = CaptureReport.read_json(args.check) if args.check else None  # a bad baseline fails first
     model = load_model(path, dtype=args.dtype, device=device, **({"tp": launch.tp} if launch else {}))
     report = build_report(

@@ -70,12 +70,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args, where.stderr, f" [rank {where.tp.rank}]")
 
 
+# What an allocator says when it cannot hand out memory: CUDA's torch.OutOfMemoryError ("CUDA out of memory"),
+# and the CPU allocator's plain RuntimeError ("DefaultCPUAllocator: can't allocate memory" / "not enough memory").
+OOM_PHRASES = ("out of memory", "can't allocate memory", "not enough memory")
+
+
 def _run(args: argparse.Namespace, stderr: TextIO, who: str) -> int:
+    """Run the command; a user error or an allocation failure is one line on `stderr` and exit status 2."""
     try:
         return args.run(args)
     except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
-        print(f"static-decode {args.command}{who}: error: {e}", file=stderr)
-        return 2
+        message = _one_line(e)
+    except RuntimeError as e:  # torch.OutOfMemoryError is one; any other RuntimeError is a bug: keep its traceback
+        if not _out_of_memory(e):
+            raise
+        message = f"out of memory: {_one_line(e)} (try a smaller --max-len or batch, or --dtype bfloat16)"
+    print(f"static-decode {args.command}{who}: error: {message}", file=stderr)
+    return 2
+
+
+def _out_of_memory(error: RuntimeError) -> bool:
+    import torch  # loaded by every command already; not at module level, so building the parser stays light
+
+    return isinstance(error, torch.OutOfMemoryError) or any(p in str(error).lower() for p in OOM_PHRASES)
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's message on one line (some library messages span several); a KeyError without its quotes."""
+    if isinstance(error, KeyError) and len(error.args) == 1 and isinstance(error.args[0], str):
+        text = error.args[0]
+    else:
+        text = str(error)
+    return " ".join(line.strip() for line in text.splitlines() if line.strip()) or type(error).__name__
 
 
 if __name__ == "__main__":

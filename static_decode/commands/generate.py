@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from static_decode.commands.args import int_list
+from static_decode.commands.args import check_device, int_list
 from static_decode.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
 from static_decode.loading import default_model_path, load_model, load_tokenizer
 
@@ -49,21 +49,18 @@ def _start_profiler(path: Path | None):  # -> torch.profiler.profile | None
 
 def run_generate(args: argparse.Namespace) -> int:
     """Load, generate one prompt (streaming the output), print a timing summary on stderr."""
-    import torch
-
     from static_decode.parallel import SINGLE
 
     if args.max_new_tokens < 1:  # checked first: the default max_len is derived from it
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    launch = getattr(args, "launch", None)  # set under torchrun: this rank's shard and device
+    # A device this machine lacks fails here, before any file is read (under torchrun launch picked it already).
+    device = launch.device if launch is not None else check_device(args.device)
     path = getattr(args, "model", None) or default_model_path()
     if not (path / "config.json").is_file():
         hint = " (the embedded default model is not built yet)" if path == default_model_path() else ""
         raise FileNotFoundError(f"no checkpoint at {path}{hint}")
-    launch = getattr(args, "launch", None)  # set under torchrun: this rank's shard and device
-    if launch is not None:
-        tp, device = launch.tp, launch.device
-    else:
-        tp, device = SINGLE, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tp = launch.tp if launch is not None else SINGLE
     model = load_model(path, dtype=args.dtype, device=device, tp=tp)
     tokenizer = load_tokenizer(path)
     if args.prompt_ids is not None:

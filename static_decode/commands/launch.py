@@ -21,6 +21,7 @@ from typing import TextIO
 
 import torch
 
+from static_decode.commands.args import check_device
 from static_decode.parallel import SINGLE, TensorParallel
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -61,7 +62,10 @@ def pick_device(requested: str | None, local_rank: int | None = None) -> torch.d
     """The device of this process: `requested` (a bare "cuda" becomes cuda:LOCAL_RANK under torchrun), else
     cuda when available, else the CPU."""
     name = requested or ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        return check_device(name)  # raises its one-line error naming the device string
     if device.type == "cuda" and local_rank is not None:
         if device.index is None:
             device = torch.device("cuda", local_rank)
@@ -70,7 +74,7 @@ def pick_device(requested: str | None, local_rank: int | None = None) -> torch.d
                 f"rank with LOCAL_RANK={local_rank} needs {device}, this machine has "
                 f"{torch.cuda.device_count()} CUDA device(s); use --nproc-per-node <= that or --device cpu"
             )
-    return device
+    return check_device(str(device))  # CUDA that is not there, a backend this build lacks: one line
 
 
 @contextlib.contextmanager
