@@ -13,6 +13,11 @@ Achieved bandwidth = (weight bytes read per token + live KV bytes) / time, next 
 measured in the same run ((read + write) bytes / time): how close a step is to the memory-bound floor.
 `--tiny --device cpu` runs the same logic on a toy shape (tests/test_gpu_check.py).
 
+Then decode attention alone at the same head shape (one layer, batch 1, bf16) for every attention formulation
+at the same live lengths, as a fraction of the device copy rate: the SDPA/matmul ones eager (one call is a few
+kernels), `flex` compiled (it only exists as a kernel under torch.compile on CUDA: inductor's flash-decoding
+template, which splits the key axis). `--attention-only` skips the model (and its ~4 minutes of capture).
+
 Writes gpu_check.json and gpu_check.md to --out (default: $OUT, else ./out); each result is written as soon
 as it exists, so a run cut short still leaves what it measured. The multi-GPU (tensor-parallel) check is
 profiles/gpu_check_tp.py.
@@ -113,6 +118,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=None, help="decode steps timed per case (default 50, tiny 5)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (eager: logic tests only)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
+    ap.add_argument("--attention-only", action="store_true", help="only the attention rows (no model, no capture)")
+    ap.add_argument("--no-attention", action="store_true", help="no attention rows")
     return ap
 
 
@@ -132,15 +139,49 @@ def main() -> int:
         (args.out / "gpu_check.md").write_text(table(result))
 
     timer = Timer(device)
-    t0 = time.perf_counter()
+    weights = sum(p.numel() for p in Llama(sh.config, device="meta").parameters()) * torch.finfo(sh.dtype).bits // 8
+    result["copy_bytes_per_s"] = copy_bandwidth(device, min(4 << 30, 4 * weights) or 1 << 20, timer)
+    save()
+
+    if not args.attention_only:
+        run_model(args, sh, steps, device, timer, result, save)
+    if not args.no_attention:
+        result["attention"] = attention(sh, steps, device, result["copy_bytes_per_s"], args.backend)
+        save()
+    print(table(result))
+    return 0
+
+
+def attention(sh: Shape, steps: int, device: torch.device, copy_bytes_per_s: float, backend: str) -> list[dict]:
+    """Decode attention alone at the shape's head layout, every impl, at each live length (profiles/
+    attention_bench.py), as a fraction of the copy rate. Eager impls first; flex compiled (CUDA only)."""
+    from static_decode.attention import IMPLS
+    from static_decode.commands.bench_systems import load_profiles_module
+
+    ab = load_profiles_module("attention_bench")  # profiles/attention_bench.py, beside this file
+
+    cfg = sh.config
+    ab.HQ, ab.HKV, ab.HEAD_DIM = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    eager = tuple(i for i in IMPLS if i != "flex")
+    kw = {"dtype": sh.dtype, "device": device, "repeats": 5, "bandwidth_gbps": copy_bytes_per_s / 1e9}
+    rows = ab.attention_rows(sh.lengths, eager, **kw)
+    if device.type == "cuda" and backend == "inductor":
+        rows += ab.attention_rows(sh.lengths, ("flex", "sdpa_folded"), compiled=True, **kw)
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    return rows
+
+
+def run_model(args: argparse.Namespace, sh: Shape, steps: int, device: torch.device, timer: Timer, result: dict,
+              save) -> None:
+    """The Llama-3.1-8B-shaped model: eager, CUDA graphs (bucketed) and a full-length read, per live length."""
     torch.manual_seed(0)
+    t0 = time.perf_counter()
     model = Llama(sh.config, dtype=sh.dtype, device=device)  # random init, directly on the device
     model.requires_grad_(False)
     result["init_s"] = round(time.perf_counter() - t0, 1)
     result["weight_bytes"] = weight_bytes_per_token(model)
-    result["copy_bytes_per_s"] = copy_bandwidth(device, min(4 << 30, 4 * result["weight_bytes"]) or 1 << 20, timer)
     save()
-
     ladder = BucketLadder.default(sh.max_len) if not args.tiny else BucketLadder.geometric(sh.max_len, align=16)
     buckets = {n: ladder.bucket_for(n + steps) for n in sh.lengths}
     graph_ladder = BucketLadder(tuple(sorted(set(buckets.values()) | {sh.max_len})))
@@ -166,8 +207,6 @@ def main() -> int:
             })
             save()
             print(json.dumps(result["cases"][-1]), flush=True)
-    print(table(result))
-    return 0
 
 
 def time_decode(gen: Generator, live: int, steps: int, read_len: int | None, timer: Timer) -> float:
@@ -216,6 +255,12 @@ def table(result: dict) -> str:
     for c in result["cases"]:
         lines.append(f"| {c['live']} | {c['mode']} | {c['read_len']} | {c['ms_per_token']:.3f} | "
                      f"{c['useful_gb_per_s']:.0f} | {c['fraction_of_copy']:.0%} |")
+    if result.get("attention"):
+        lines += ["", "decode attention alone (one layer, one query per head), live K/V bytes / best time:", "",
+                  "| impl | live | ms | GB/s | of copy |", "| --- | ---: | ---: | ---: | ---: |"]
+        for r in result["attention"]:
+            lines.append(f"| {r['impl']} | {r['length']} | {r['ms']:.4f} | {r['gbps']:.0f} | "
+                         f"{r['bandwidth_fraction']:.0%} |")
     return "\n".join(lines) + "\n"
 
 

@@ -19,6 +19,19 @@ Four formulations, all reading K and V in place (no copy, no KV repeat; checked 
   masked softmax of our own over the key axis; then P^T @ V.
 * "matmul_qk": the query-major variant, Q [G*T, d] @ K^T (a transposed view): 5-10% slower at decode here.
 * "sdpa": SDPA with `enable_gqa=True` on the unfolded [B, Hq, T, d] queries: 2.5-3x slower at decode on CPU.
+* "flex": `torch.nn.attention.flex_attention` with the offset mask as a score_mod over the device lengths and
+  `enable_gqa=True`. For compiled CUDA steps: inductor lowers it to its flash-decoding Triton template, which
+  splits the key axis over thread blocks and reads K/V through their strides (no copy). The one-SDPA
+  formulations give a batch-1 decode step B * Hkv = 8 work items for 132 SMs (Llama-3.1-8B shape): at 32k the
+  H200 read K/V at ~5% of its bandwidth (profiles/RESULTS.md). Not for eager or CPU use: PyTorch's eager
+  flex_attention is its unfused reference, which materialises the scores and repeats K/V for GQA
+  (repeat_interleave), and its CPU template does not compile this score_mod (NoValidChoicesError, torch 2.13).
+
+Why no plain-torch split-key formulation: splitting the key axis of a cache view [B, Hkv, S, d] into
+[B, Hkv, S / Sb, Sb, d] blocks is a view, but not one a batched GEMM can take: the cache's spare position (and any
+read S shorter than the allocation) gives the head and block axes strides that do not merge into one batch
+stride, so matmul/bmm copy K and V first (profiles/attention_cpu.md). Only a generated kernel that takes
+arbitrary strides (flex's Triton template, SDPA's kernels) splits keys without a copy.
 """
 
 from __future__ import annotations
@@ -30,7 +43,7 @@ import torch.nn.functional as F
 
 from static_decode.cache import IntsLike, StaticKVCache, host_ints
 
-IMPLS = ("matmul", "sdpa", "matmul_qk", "sdpa_folded")
+IMPLS = ("matmul", "sdpa", "matmul_qk", "sdpa_folded", "flex")
 DEFAULT_IMPL = "sdpa_folded"  # measured: profiles/attention_cpu.md
 
 
@@ -99,6 +112,22 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor)
     return torch.where(real, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, n_new: torch.Tensor) -> torch.Tensor:
+    # Imported here: flex_attention pulls in torch._dynamo, which the eager paths (and a CLI's --help) never need.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    T = q.shape[2]
+    start = lens - n_new  # [B] absolute position of slot 0 of each row
+
+    def offset_mask(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, t: torch.Tensor, s: torch.Tensor):
+        # The same rule as chunk_mask, per (row, query slot, key): key s visible from slot t's position.
+        return torch.where((s <= start[b] + t) & (t < n_new[b]), score, -math.inf)
+
+    out = flex_attention(q, k, v, score_mod=offset_mask, enable_gqa=True)  # [B, Hq, T, d]
+    real = (torch.arange(T, device=q.device) < n_new[:, None])[:, None, :, None]  # [B, 1, T, 1]
+    return torch.where(real, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
 _IMPL_FNS = {"matmul": _matmul, "sdpa": _sdpa, "matmul_qk": _matmul_qk, "sdpa_folded": _sdpa_folded}
 
 
@@ -119,6 +148,8 @@ def grouped_attention(
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if k.shape[2] == 0:  # nothing cached in any row (a static shape, so this branch is fine under compile)
         return torch.zeros_like(q)
+    if impl == "flex":  # its mask is a function of the lengths, evaluated inside the kernel
+        return _flex(q, k, v, lens, n_new)
     mask = chunk_mask(lens, n_new, q.shape[2], k.shape[2])  # [B, T, S]
     return _IMPL_FNS[impl](q, k, v, mask)
 

@@ -73,6 +73,11 @@ class Generator:
         self.chunk_size = check_int("chunk_size", chunk_size, minimum=1)
         self.read_every = check_int("read_every", read_every, minimum=1)
         self.compile = bool(compile)
+        if self.compile and model.attn_impl == "flex" and model.device.type != "cuda":
+            raise ValueError(
+                f"attn_impl='flex' compiles only on CUDA (inductor's CPU flex template does not take this mask), the "
+                f"model is on {model.device}; use attn_impl='sdpa_folded' there"
+            )
         if capture is not None and not isinstance(capture, CaptureOptions):
             raise TypeError(f"capture must be a capture.CaptureOptions, got {type(capture).__name__}")
         self.capture = capture if capture is not None or not self.compile else CaptureOptions()

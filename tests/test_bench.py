@@ -159,7 +159,9 @@ def test_bench_run_json_plot_and_profile(checkpoint, tmp_path, capsys):
         assert r["tokens_match"] is True, r
     full = {r["context"]: r["read_len"] for r in doc["rows"] if r["system"] == "full-read"}
     assert full == {5: 32, 20: 32}  # full-read always reads max_len
-    assert {r["length"] for r in doc["attention"]} == {64, 32}  # asked for + this sweep's max_len (one rung)
+    # asked for + this sweep's max_len (one rung), for every formulation that runs eagerly (flex: CUDA, compiled)
+    assert {(r["impl"], r["length"]) for r in doc["attention"]} == {
+        (i, n) for i in ("matmul", "sdpa", "matmul_qk", "sdpa_folded") for n in (64, 32)}
     for r in doc["attention"]:
         assert set(r) >= {"length", "ms", "gbps", "bandwidth_fraction"} and r["ms"] > 0
     assert "transformers_over_static_decode" in doc["targets"]

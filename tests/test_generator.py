@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from capture import CaptureOptions, CompileSettings
-from static_decode import Generator, load_model
+from static_decode import Generator, Llama, LlamaConfig, load_model
 from static_decode.steps import STEPS
 from tests.checkpoints import VOCAB, hf_greedy, hf_llama, save
 
@@ -268,3 +268,14 @@ def test_launches_are_wrapped_in_nvtx_ranges(model, monkeypatch):
     gen = Generator(model, max_len=64, chunk_size=4)
     gen.generate([1, 2, 3, 4, 5, 6], 5, stop_at_eos=False)  # 2 chunks, the first token, 4 decode steps
     assert seen == [ranges.PREFILL_CHUNK] * 2 + [ranges.SAMPLE] + [ranges.DECODE_STEP] * 4
+
+
+def test_flex_attention_is_refused_for_compiled_cpu_steps():
+    model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                              num_kv_heads=1), attn_impl="flex")
+    with pytest.raises(ValueError, match="attn_impl='flex' compiles only on CUDA"):
+        Generator(model, max_len=16, compile=True)
+    eager = Generator(model, max_len=16)  # eager flex is PyTorch's reference path: slow, but correct
+    sdpa = Generator(Llama(model.config, attn_impl="sdpa_folded"), max_len=16)
+    sdpa.model.load_state_dict(model.state_dict())
+    assert eager.generate([1, 2, 3], 5) == sdpa.generate([1, 2, 3], 5)

@@ -56,6 +56,15 @@ def test_gpu_check_tiny_on_cpu(tmp_path, monkeypatch) -> None:
         assert cases[(n, "full")]["read_len"] == sh.max_len
     for c in cases.values():
         assert c["ms_per_token"] > 0 and c["useful_gb_per_s"] > 0 and c["fraction_of_copy"] > 0
+    # the attention rows: every eager impl at every live length (flex only compiled on CUDA), fraction of copy
+    from static_decode.attention import IMPLS
+
+    rows = {(r["impl"], r["length"]): r for r in result["attention"]}
+    assert set(rows) == {(i, n) for i in IMPLS if i != "flex" for n in sh.lengths}
+    copy_gbps = result["copy_bytes_per_s"] / 1e9
+    for r in rows.values():  # the fraction is rounded to 3 places
+        assert math.isclose(r["bandwidth_fraction"], r["gbps"] / copy_gbps, rel_tol=2e-2, abs_tol=6e-4)
+    assert "decode attention alone" in (tmp_path / "gpu_check.md").read_text()
     # bytes read per token: every weight once, except the untied embedding table, of which one row is gathered
     model = gc.Llama(gc.TINY)
     assert not gc.TINY.tie_word_embeddings

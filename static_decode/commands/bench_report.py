@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from capture.buckets import BucketLadder
+from static_decode.attention import DEFAULT_IMPL
 
 SPEEDUP_TARGET = 3.0  # static-decode vs transformers, per token, at every context
 CLEARLY_BELOW = 1.2  # full-read / static-decode at max_len/16 counts as "clearly below" from here
@@ -48,7 +49,7 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
             "context": short, "ratio": round(f / s, 2), "target": f"clearly > 1 (counted from {CLEARLY_BELOW})",
             "met": f / s >= CLEARLY_BELOW,
         }
-    att = {r["length"]: r["ms"] for r in doc.get("attention", [])}
+    att = {r["length"]: r["ms"] for r in doc.get("attention", []) if r.get("impl", DEFAULT_IMPL) == DEFAULT_IMPL}
     checks = []
     for m in sorted({max_len, max(att, default=0)}):
         live = max(1, m // 16)
@@ -97,10 +98,12 @@ def tables(doc: dict[str, Any]) -> list[Any]:
     if doc.get("attention"):
         a = Table(title="decode attention alone, Llama-3.1-8B heads (Hq 32, Hkv 8, d 128), vs read bandwidth "
                         f"{doc['attention'][0]['read_bandwidth_gbps']} GB/s")
+        a.add_column("impl")
         for col in ("length", "ms", "GB/s", "fraction of read bw"):
             a.add_column(col, justify="right")
         for r in doc["attention"]:
-            a.add_row(str(r["length"]), f"{r['ms']:.3f}", f"{r['gbps']:.1f}", f"{r['bandwidth_fraction']:.2f}")
+            a.add_row(r.get("impl", DEFAULT_IMPL), str(r["length"]), f"{r['ms']:.3f}", f"{r['gbps']:.1f}",
+                      f"{r['bandwidth_fraction']:.2f}")
         out.append(a)
     return out
 

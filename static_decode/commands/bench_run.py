@@ -38,6 +38,7 @@ import torch
 
 from capture.buckets import BucketLadder
 from static_decode import ranges
+from static_decode.attention import IMPLS
 from static_decode.commands.args import check_device
 from static_decode.commands.bench_config import PROFILE_STEPS, BenchConfig
 from static_decode.commands.bench_report import targets
@@ -291,7 +292,12 @@ def _attention(config: BenchConfig, device: torch.device, notes: list[str]) -> l
         lengths |= {m, BucketLadder.default(m).bucket_for(max(1, m // 16))}
     with ranges.range(ranges.bench_name("attention")):
         bandwidth = bench.read_bandwidth(device=device)
-        rows = bench.attention_rows(tuple(sorted(lengths)), device=device, bandwidth_gbps=bandwidth)
+        # Every formulation that runs as a kernel here: the eager ones everywhere, flex compiled on CUDA only.
+        eager = tuple(i for i in IMPLS if i != "flex")
+        rows = bench.attention_rows(tuple(sorted(lengths)), eager, device=device, bandwidth_gbps=bandwidth)
+        if device.type == "cuda":
+            rows += bench.attention_rows(tuple(sorted(lengths)), ("flex",), compiled=True, device=device,
+                                         bandwidth_gbps=bandwidth)
     for r in rows:
         r["read_bandwidth_gbps"] = round(bandwidth, 2)
     return rows
