@@ -9,6 +9,7 @@ from __future__ import annotations
 from static_decode.exports import lazy_exports
 
 _EXPORTS = {
+    "Conversation": "static_decode.conversation",
     "Generator": "static_decode.generator",
     "GenerationStats": "static_decode.stats",
     "Llama": "static_decode.model",

@@ -70,6 +70,7 @@ class Generator:
         model.tp.require_group()  # a tensor-parallel shard needs its process group for every step
         self.model = model
         self.max_len = check_int("max_len", max_len, minimum=2)
+        model.check_max_len(self.max_len)  # a sliding window shorter than the cache: refused before allocating
         self.chunk_size = check_int("chunk_size", chunk_size, minimum=1)
         self.read_every = check_int("read_every", read_every, minimum=1)
         self.compile = bool(compile)
@@ -93,6 +94,7 @@ class Generator:
         self.runner: StepRunner = EagerRunner()  # compile=True: a capture.CompiledRunner once allocated
         self.stats: GenerationStats | None = None
         self._busy = False  # a request is running on the cache (an open stream, say)
+        self.epoch = 0  # counts cache resets: a Conversation checks that its history is still what is cached
         if self.fixed_batch is not None:
             self._allocate(self.fixed_batch)
 
@@ -196,13 +198,17 @@ class Generator:
         return pieces if not req.single else (t for piece in pieces for t in piece[0])
 
     # ---- one request on the device ------------------------------------------------------------------------
-    def _prepare(self, req: Request) -> None:
-        """Reset the cache and fill the per-request buffers (allocating, and capturing, on first need)."""
+    def _prepare(self, req: Request, keep_cache: bool = False) -> None:
+        """Reset the cache (unless a conversation continues on it) and fill the per-request buffers (allocating,
+        and capturing, on first need)."""
         if self.cache is None or len(req.rows) > self.cache.batch:
             self._allocate(len(req.rows))
+            keep_cache = False
         cache, bufs = self.cache, self.bufs
         B = cache.batch
-        cache.reset()
+        if not keep_cache:
+            cache.reset()
+            self.epoch += 1
         seed = self.model.tp.shared_random_bits(64) if req.seed is None else req.seed  # same on every rank
         bufs.done.copy_(torch.from_numpy(np.arange(B) >= len(req.rows)))  # spare rows are done from the start
         bufs.step.zero_()
@@ -232,8 +238,9 @@ class Generator:
                 self.step_fn("prefill", read_len)(self.model, cache, bufs, read_len)
             cache.commit(n)
 
-    def _run(self, req: Request, every: int) -> Iterator[list[list[int]]]:
-        """Run one checked request, yielding each read-back as a list of new tokens per row."""
+    def _run(self, req: Request, every: int, keep_cache: bool = False) -> Iterator[list[list[int]]]:
+        """Run one checked request, yielding each read-back as a list of new tokens per row. keep_cache: append
+        to the rows already cached (a conversation's next turn) instead of starting from an empty cache."""
         if self._busy:  # checked before anything changes: the open request keeps its cache and buffers
             raise RuntimeError(
                 "this Generator is still running a stream: finish it (or call its .close()) before the next "
@@ -241,12 +248,12 @@ class Generator:
             )
         self._busy = True
         try:
-            yield from self._run_unlocked(req, every)
+            yield from self._run_unlocked(req, every, keep_cache)
         finally:
             self._busy = False
 
-    def _run_unlocked(self, req: Request, every: int) -> Iterator[list[list[int]]]:
-        self._prepare(req)  # may allocate and capture: untimed
+    def _run_unlocked(self, req: Request, every: int, keep_cache: bool) -> Iterator[list[list[int]]]:
+        self._prepare(req, keep_cache)  # may allocate and capture: untimed
         t0 = time.perf_counter()
         cache, bufs, model, R, max_new = self.cache, self.bufs, self.model, len(req.rows), req.max_new_tokens
         eos = set(self.eos_token_ids) if req.stop_at_eos else set()
@@ -290,6 +297,7 @@ class Generator:
         finally:
             if not complete:  # abandoned or failed: leave a consistent, empty cache
                 cache.reset()
+                self.epoch += 1
 
     def _read_back(
         self, start: int, stop: int, finished: np.ndarray, emitted: np.ndarray, eos: set[int]

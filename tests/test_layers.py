@@ -20,10 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("static_decode", "capture")
 CORE = {
     f"static_decode.{name}"
-    for name in ("attention", "cache", "checks", "config", "exports", "loading", "memory", "model", "parallel",
-                 "progress", "ranges", "reference", "rope", "sampling", "steps")
+    for name in ("attention", "cache", "chat_template", "checks", "config", "exports", "loading", "memory", "model",
+                 "parallel", "progress", "ranges", "reference", "rope", "sampling", "steps")
 }
-GENERATOR = {"static_decode", "static_decode.generator", "static_decode.request", "static_decode.stats"}
+GENERATOR = {"static_decode", "static_decode.conversation", "static_decode.generator", "static_decode.request",
+             "static_decode.stats"}
 LAYER_NAMES = ("core", "capture", "generator", "commands")
 
 

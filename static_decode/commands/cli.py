@@ -21,6 +21,7 @@ from typing import TextIO
 
 COMMAND_MODULES: tuple[str, ...] = (
     "static_decode.commands.generate",
+    "static_decode.commands.chat",
     "static_decode.commands.capture_report",
     "static_decode.commands.bench",
 )

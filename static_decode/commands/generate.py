@@ -6,7 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from static_decode.chat_template import load_chat_template
 from static_decode.commands.args import check_device, int_list
+from static_decode.commands.streaming import write_stream
 from static_decode.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
 from static_decode.loading import default_model_path, load_model, load_tokenizer
 
@@ -32,6 +34,8 @@ def add_generation_arguments(p: argparse.ArgumentParser, *, demo: bool = False) 
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler Chrome trace of the run here")
+    if not demo:
+        p.add_argument("--chat", action="store_true", help="render --prompt as one user message of the chat template")
 
 
 def _start_profiler(path: Path | None):  # -> torch.profiler.profile | None
@@ -63,12 +67,22 @@ def run_generate(args: argparse.Namespace) -> int:
     tp = launch.tp if launch is not None else SINGLE
     model = load_model(path, dtype=args.dtype, device=device, tp=tp)
     tokenizer = load_tokenizer(path)
+    chat = getattr(args, "chat", False)  # demo has no --chat
     if args.prompt_ids is not None:
+        if chat:
+            raise ValueError("--chat renders --prompt TEXT with the chat template; it does not take --prompt-ids")
         prompt = list(args.prompt_ids)
     elif args.prompt is not None:
         if tokenizer is None:
             raise ValueError(f"--prompt needs a tokenizer.json in {path}; pass --prompt-ids instead")
-        prompt = tokenizer.encode(args.prompt).ids
+        text = args.prompt
+        if chat:  # one user message, rendered with the checkpoint's chat template
+            template = load_chat_template(path)
+            if template is None:
+                raise ValueError(f"--chat needs a chat template (chat_template.jinja or tokenizer_config.json's "
+                                 f"chat_template) in {path}")
+            text = template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        prompt = tokenizer.encode(text, add_special_tokens=not chat).ids  # a template writes its own BOS
     else:
         raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3")
     max_len = args.max_len or len(prompt) + args.max_new_tokens
@@ -97,17 +111,9 @@ def run_generate(args: argparse.Namespace) -> int:
             out.write(f" {t}")
             out.flush()
     else:
-        out.write(tokenizer.decode(prompt))
-        ids: list[int] = []
-        shown = ""
-        for t in tokens:
-            ids.append(t)
-            text = tokenizer.decode(ids)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                out.write(text[len(shown) :])
-                out.flush()
-                shown = text
-        out.write(tokenizer.decode(ids)[len(shown) :])
+        if not chat:  # a chat prompt is the rendered template: show only the reply
+            out.write(tokenizer.decode(prompt))
+        write_stream(tokenizer, tokens, out)
     out.write("\n")
     out.flush()
     if prof is not None:

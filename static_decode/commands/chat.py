@@ -1,0 +1,136 @@
+"""`static-decode chat --model PATH`: an interactive multi-turn chat that keeps the conversation in the cache.
+
+Each line on stdin is a user message; the reply streams to stdout, one reply per turn, and a line of numbers per
+turn goes to stderr. `/reset` starts over; end of input (Ctrl-D) ends the session. The conversation is rendered
+with the checkpoint's chat template at every turn, and only what is new since the cached tokens is fed: when the
+rendered text starts with the text of the cached tokens, the rest is tokenized and appended (the previous reply's
+tokens stay exactly as the model produced them); otherwise (a template that rewrites earlier turns) the whole
+rendering is prefilled again, and the stderr line says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from static_decode.chat_template import ChatTemplate, load_chat_template
+from static_decode.commands.args import check_device
+from static_decode.commands.streaming import write_stream
+from static_decode.conversation import Conversation
+from static_decode.generator import DEFAULT_CHUNK_SIZE, Generator
+from static_decode.loading import default_model_path, load_model, load_tokenizer
+
+DEFAULT_MAX_LEN = 4096  # cache positions for the whole conversation (capped by the model's own limit)
+
+
+class ChatSession:
+    """Messages, their rendering, and the conversation on the generator's cache."""
+
+    def __init__(self, gen: Generator, tokenizer: Any, template: ChatTemplate) -> None:
+        self.conv = Conversation(gen)
+        self.tokenizer, self.template = tokenizer, template
+        self.messages: list[dict[str, str]] = []
+        self.reused = False  # whether the last turn appended to the cached conversation
+
+    def reset(self) -> None:
+        self.conv.reset()
+        self.messages = []
+
+    def turn_ids(self, text: str) -> list[int]:
+        """The tokens to feed for user message `text`: the rendering's part past what is cached."""
+        rendered = self.template.render([*self.messages, {"role": "user", "content": text}])
+        cached = self.tokenizer.decode(self.conv.tokens, skip_special_tokens=False) if self.conv.tokens else ""
+        self.reused = bool(cached) and rendered.startswith(cached)
+        if not self.reused:
+            self.conv.reset()
+        delta = rendered[len(cached) :] if self.reused else rendered
+        return self.tokenizer.encode(delta, add_special_tokens=False).ids  # a template writes its own BOS
+
+    def send(self, text: str, max_new_tokens: int, **sampling: Any) -> Iterator[int]:
+        """Stream the reply to user message `text`; the messages are updated when it is complete."""
+        ids = self.turn_ids(text)
+        tokens = self.conv.send(ids, max_new_tokens, **sampling)
+        reply: list[int] = []
+        for t in tokens:
+            reply.append(t)
+            yield t
+        self.messages += [{"role": "user", "content": text},
+                          {"role": "assistant", "content": self.tokenizer.decode(reply, skip_special_tokens=True)}]
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    device = check_device(args.device)
+    path = args.model or default_model_path()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        raise ValueError(f"chat needs a tokenizer.json in {path}")
+    template = load_chat_template(path)
+    if template is None:
+        raise ValueError(f"chat needs a chat template (chat_template.jinja or tokenizer_config.json's chat_template) "
+                         f"in {path}")
+    model = load_model(path, dtype=args.dtype, device=device)
+    max_len = args.max_len or min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)
+    capture = None
+    if args.compile:
+        from capture.settings import CaptureOptions
+
+        greedy = args.temperature == 0
+        capture = CaptureOptions(kinds=("prefill", "first_greedy", "decode_greedy") if greedy else
+                                 ("prefill", "first", "decode"))
+    gen = Generator(model, max_len=max_len, chunk_size=args.chunk_size, batch=1, compile=args.compile,
+                    capture=capture)
+    session = ChatSession(gen, tokenizer, template)
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:  # end of input (Ctrl-D)
+            return 0
+        text = line.rstrip("\n")
+        if text.strip() == "/reset":
+            session.reset()
+            print("[conversation reset]", file=sys.stderr)
+            continue
+        if not text.strip():
+            continue
+        cached = len(session.conv.history)
+        t0 = time.perf_counter()
+        try:
+            write_stream(tokenizer, session.send(text, args.max_new_tokens, **sampling), sys.stdout,
+                         skip_special_tokens=True)
+        except ValueError as e:  # a turn that does not fit: say so, keep the session
+            print(f"static-decode chat: error: {e} (/reset starts over)", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        s = gen.stats
+        how = f"on {cached} cached" if session.reused else "from scratch (the template changed earlier turns)"
+        print(f"[turn {session.conv.turns}: prefilled {s.prompt_tokens} tokens {how}; {s.new_tokens} new; "
+              f"{s.ms_per_step:.2f} ms/token; {len(session.conv.tokens)} of {max_len} positions used; "
+              f"{time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `chat` with the static-decode CLI (static_decode/commands/cli.py's COMMAND_MODULES)."""
+    p = subparsers.add_parser("chat", help="an interactive multi-turn chat (the conversation stays in the cache)")
+    p.add_argument("--model", type=Path, default=None, help="checkpoint dir with tokenizer.json and a chat template")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per reply")
+    p.add_argument("--max-len", type=int, default=None, help=f"cache positions for the conversation "
+                   f"(default: {DEFAULT_MAX_LEN}, or the model's limit if smaller)")
+    p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="prompt slots per prefill step")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="compile the steps")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    p.set_defaults(run=run_chat)
