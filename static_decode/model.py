@@ -2,7 +2,10 @@
 
 Embedding, RMSNorm, rotary GQA attention through the core (`cache.write`, `cache.layer_view`,
 `grouped_attention`), SwiGLU MLP, final norm, LM head (tied or not). Module names mirror transformers'
-LlamaForCausalLM minus its `model.` prefix, so a checkpoint maps by name (`hf_name`).
+LlamaForCausalLM minus its `model.` prefix, so a checkpoint maps by name (`hf_name`). The families that differ
+from Llama only in a few switches (static_decode.config: Mistral, Qwen2, Qwen3) are this same class: optional
+biases on q/k/v, o_proj and the MLP, and Qwen3's per-head RMSNorm on q and k (`q_norm`, `k_norm`, named as
+transformers names them) before the rotary embedding.
 
 The step contract (what a captured step runs): `step(tokens [B, T], cache, n_new [B] device, read_len: int)`
 writes every layer's K/V at the old lengths, attends with lens_after = cache.lens + n_new over
@@ -68,12 +71,15 @@ class Attention(nn.Module):
         super().__init__()
         # Local heads: whole GQA groups per rank (tp.check refused a world size that would split one).
         d, hq, hkv = cfg.head_dim, cfg.num_heads // tp.world, cfg.num_kv_heads // tp.world
-        bias = cfg.attention_bias
         kw = {"dtype": dtype, "device": device}
-        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=bias, **kw)  # column-parallel
-        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=bias, **kw)  # column-parallel
-        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=bias, **kw)  # column-parallel
-        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=bias, **kw)  # row-parallel
+        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=cfg.qkv_bias, **kw)  # column-parallel
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias, **kw)  # column-parallel
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias, **kw)  # column-parallel
+        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.o_bias, **kw)  # row-parallel
+        # Qwen3: one [d] weight shared by every head, so under tp each rank keeps the whole (replicated) weight
+        # for the heads it owns; None otherwise (a Python-level branch: each compiled step sees one path).
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
         self.heads, self.kv_heads, self.head_dim, self.tp = hq, hkv, d, tp
 
     def forward(
@@ -89,8 +95,12 @@ class Attention(nn.Module):
         impl: str,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, d]
-        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, d]
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim)  # [B, T, Hq, d]
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)  # [B, T, Hkv, d]
+        if self.q_norm is not None and self.k_norm is not None:
+            # Qwen3 normalises each head over d before rotating it (rope after the norm, as it was trained).
+            q, k = self.q_norm(q), self.k_norm(k)  # [B, T, Hq, d], [B, T, Hkv, d]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, Hq, T, d], [B, Hkv, T, d]
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, d]
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         cache.write(layer, k, v, n_new)  # at the old lengths; padded slots go to the spare row
@@ -191,9 +201,15 @@ class Llama(nn.Module):
         """KV heads this process holds (all of them at world 1, num_kv_heads / world under tp)."""
         return self.config.num_kv_heads // self.tp.world
 
+    def check_max_len(self, max_len: int) -> None:
+        """Refuse a cache length this model cannot attend over exactly (a sliding window shorter than max_len),
+        naming `sliding_window` and both numbers; allocates nothing."""
+        self.config.check_max_len(max_len)
+
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
         """A cache sized for this model (this rank's KV heads): every layer's K and V in one allocation each."""
         c = self.config
+        self.check_max_len(max_len)  # before the allocation
         return StaticKVCache(
             batch,
             self.kv_heads,

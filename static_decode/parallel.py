@@ -3,11 +3,14 @@
 Layout over `world` ranks (rank r holds the r-th contiguous slice):
 
 * column-parallel (split by output features, dim 0 of the weight): q_proj, k_proj, v_proj, gate_proj, up_proj
-  (and their biases). Each rank computes its own query/KV heads and its own slice of the MLP's inner width.
+  and their biases, split with their rows (Qwen2's q/k/v biases, Llama's attention_bias / mlp_bias). Each rank
+  computes its own query/KV heads and its own slice of the MLP's inner width.
 * row-parallel (split by input features, dim 1): o_proj, down_proj. Each rank's product is a partial sum of the
-  full output; one all-reduce after attention and one after the MLP add them up (biases are added once, after
-  the sum).
-* replicated: the embedding, every RMSNorm, the LM head. Replicating the head costs memory and bandwidth
+  full output; one all-reduce after attention and one after the MLP add them up.
+* replicated: the embedding, every RMSNorm, the LM head, and the biases of o_proj and down_proj (added once,
+  after the all-reduce, not once per rank). Qwen3's q_norm/k_norm weights ([head_dim], one weight shared by
+  every head) are replicated too: a rank normalises the heads it owns with the whole weight, so nothing per
+  head has to move. Replicating the LM head costs memory and bandwidth
   (Llama-3-70B bf16: 2.1 GB per rank, vs 17.5 GB of sharded weights at 8 ranks) but every rank then holds the
   full logits and samples the same token with the same counter-hash noise (static_decode.sampling), so no
   all-gather of logits and no broadcast of tokens is needed inside the step, and each rank feeds its next

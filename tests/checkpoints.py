@@ -1,13 +1,17 @@
-"""Shared test helper: tiny random Llama checkpoints written by transformers' own save_pretrained.
+"""Shared test helper: tiny random Llama-family checkpoints written by transformers' own save_pretrained.
 
 The transformers model that wrote a checkpoint is the independent reference the tests compare against.
+`hf_llama` builds LlamaForCausalLM; `hf_family` any supported family (Llama, Mistral, Qwen2, Qwen3). `feed`
+runs our model over ragged rows in fixed chunks, for comparing its logits with transformers' (`hf_logits`).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 VOCAB = 96
@@ -66,6 +70,81 @@ def hf_llama(
                 if name.endswith(".bias"):
                     p.normal_(0.0, 0.2)
     return model
+
+
+# family -> transformers class prefix ({prefix}Config, {prefix}ForCausalLM)
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+def hf_family(
+    family: str,
+    *,
+    seed: int = 0,
+    tied: bool = False,
+    layers: int = 2,
+    kv_heads: int = 2,
+    eos: int | list[int] | None = None,
+    **config: Any,
+):
+    """A random tiny transformers {Llama,Mistral,Qwen2,Qwen3}ForCausalLM: hidden 64, 4 query / `kv_heads` KV heads,
+    vocab 96, rope theta 1e6 (not the 1e4 default, so a theta read from the wrong key shows). `config` adds the
+    family's own keys (head_dim, attention_bias, mlp_bias, sliding_window, use_sliding_window, ...).
+
+    Biases and RMSNorm weights are drawn at random: transformers initialises them to 0 and 1, which would hide a
+    bias that is missing, added on every rank, or a q/k norm applied to the wrong axis or not at all."""
+    import transformers
+
+    prefix = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, f"{prefix}Config")(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        rope_theta=1e6,
+        tie_word_embeddings=tied,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=None,
+        **config,
+    )
+    model = getattr(transformers, f"{prefix}ForCausalLM")(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+            elif name.endswith("norm.weight"):
+                p.normal_(1.0, 0.2)
+    return model
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """n random token ids (a fixed sequence per seed)."""
+    return np.random.default_rng(seed).integers(0, VOCAB, n).tolist()
+
+
+def feed(model, rows: list[list[int]], chunk: int, max_len: int = 128) -> list[torch.Tensor]:
+    """Feed ragged rows together in chunks of `chunk` slots (padding past each row's n_new with a nonzero id,
+    so a leak would show); return each row's logits of its real slots, [len(row), V]."""
+    cache = model.new_cache(len(rows), max_len)
+    lens = np.array([len(r) for r in rows])
+    got: list[list[torch.Tensor]] = [[] for _ in rows]
+    for start in range(0, lens.max(), chunk):
+        n = np.clip(lens - start, 0, chunk)
+        tokens = torch.full((len(rows), chunk), 7, dtype=torch.int64)  # [B, chunk]
+        for b, row in enumerate(rows):
+            tokens[b, : n[b]] = torch.tensor(row[start : start + n[b]], dtype=torch.int64)
+        with torch.no_grad():
+            logits = model(tokens, cache, n)  # [B, chunk, V]
+        for b in range(len(rows)):
+            got[b].append(logits[b, : n[b]])
+    assert cache.host_lens.tolist() == lens.tolist()
+    assert cache.lens.tolist() == lens.tolist()
+    return [torch.cat(g) for g in got]
 
 
 def save(model, path: Path, **kwargs) -> Path:

@@ -150,8 +150,10 @@ def refuses(path: Path, error: type[Exception], *words: str) -> None:
 
 def test_unknown_architecture(llama3, tmp_path):
     ckpt = copy(llama3[1], tmp_path)
-    rewrite_config(ckpt, lambda c: c.update(architectures=["MistralForCausalLM"]))
-    refuses(ckpt, ValueError, "architectures", "MistralForCausalLM")
+    rewrite_config(ckpt, lambda c: c.update(architectures=["GemmaForCausalLM"]))
+    refuses(ckpt, ValueError, "architectures", "GemmaForCausalLM", "Qwen3ForCausalLM")  # names what is supported
+    rewrite_config(ckpt, lambda c: c.update(architectures=["LlamaForCausalLM", "Qwen2ForCausalLM"]))
+    refuses(ckpt, ValueError, "architectures")  # one model, one architecture
 
 
 @pytest.mark.parametrize("style", ["5.x", "4.x"])
@@ -270,9 +272,19 @@ def test_config_validation_names_the_value():
         ({"eos_token_ids": (VOCAB,)}, str(VOCAB)),
         ({"rms_norm_eps": -1.0}, "rms_norm_eps"),
         ({"hidden_size": 66, "num_heads": 4, "num_kv_heads": 4}, "hidden_size=66"),
+        ({"qk_norm": 1}, "qk_norm"),
+        ({"o_bias": None}, "o_bias"),
+        ({"sliding_window": 0}, "sliding_window"),
+        ({"sliding_window": 8.0}, "sliding_window"),
+        ({"architecture": "GPT2LMHeadModel"}, "GPT2LMHeadModel"),
     ]:
         with pytest.raises((ValueError, TypeError), match=word):
             LlamaConfig(**{**base, **bad})
+    windowed = LlamaConfig(**base, sliding_window=32, architecture="MistralForCausalLM")
+    windowed.check_max_len(32)  # the window covers every position of a 32-token cache
+    with pytest.raises(ValueError, match=r"MistralForCausalLM attends through sliding_window=32.*max_len=33"):
+        windowed.check_max_len(33)
+    LlamaConfig(**base).check_max_len(10**9)  # no window: any length
     with pytest.raises(ValueError, match="high_freq_factor"):
         RopeConfig(type="llama3", low_freq_factor=4.0, high_freq_factor=4.0)
     with pytest.raises(ValueError, match="'linear'"):

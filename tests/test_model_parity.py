@@ -16,7 +16,7 @@ import torch
 from static_decode import Generator, load_model
 from static_decode.config import RopeConfig
 from static_decode.rope import inv_freq
-from tests.checkpoints import LLAMA3_ROPE, VOCAB, hf_greedy, hf_llama, hf_logits, save
+from tests.checkpoints import LLAMA3_ROPE, VOCAB, feed, hf_greedy, hf_llama, hf_logits, prompt, save
 
 VARIANTS = {
     "default-untied": {"rope": "default", "tied": False},
@@ -33,30 +33,6 @@ def pair(request, tmp_path_factory):
     hf = hf_llama(seed=len(request.param), **VARIANTS[request.param])
     path = save(hf, tmp_path_factory.mktemp(request.param))
     return hf, load_model(path)
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(0, VOCAB, n).tolist()
-
-
-def feed(model, rows: list[list[int]], chunk: int, max_len: int = 128) -> list[torch.Tensor]:
-    """Feed ragged rows together in chunks of `chunk` slots (padding past each row's n_new with a nonzero id,
-    so a leak would show); return each row's logits of its real slots, [len(row), V]."""
-    cache = model.new_cache(len(rows), max_len)
-    lens = np.array([len(r) for r in rows])
-    got: list[list[torch.Tensor]] = [[] for _ in rows]
-    for start in range(0, lens.max(), chunk):
-        n = np.clip(lens - start, 0, chunk)
-        tokens = torch.full((len(rows), chunk), 7, dtype=torch.int64)
-        for b, row in enumerate(rows):
-            tokens[b, : n[b]] = torch.tensor(row[start : start + n[b]], dtype=torch.int64)
-        with torch.no_grad():
-            logits = model(tokens, cache, n)
-        for b in range(len(rows)):
-            got[b].append(logits[b, : n[b]])
-    assert cache.host_lens.tolist() == lens.tolist()
-    assert cache.lens.tolist() == lens.tolist()
-    return [torch.cat(g) for g in got]
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
