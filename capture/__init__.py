@@ -1,8 +1,10 @@
-"""capture: compiled fixed-shape steps, one graph per (step kind, read bucket), and compile-regression guards.
+"""capture: compiled fixed-shape steps by (step kind, read bucket), and compile-regression guards.
 
 * `BucketLadder` (capture.buckets): which read lengths get a graph.
 * `CompileSettings`, `CaptureOptions` (capture.settings): torch.compile arguments per device; what to capture.
-* `StepRegistry` (capture.registry): compiles, warms up and runs steps.
+* `StepRegistry` (capture.registry): compiles, warms up and runs steps (a graph per kind with a symbolic read
+  length, per (kind, bucket) with a static one).
+* `CompileCache` (capture.compile_cache): a persistent compile cache directory (`CaptureOptions(compile_cache=)`).
 * `CompiledRunner` (capture.runner): the generator's steps compiled over one cache (the capture policy).
 * guards (capture.guards): `steady_state`, `fail_on_recompile`, `count_compiles`, `no_host_sync`, ...
 * `CaptureRecord`, `CaptureReport` (capture.report): per-pair records, table, JSON, baseline check.
@@ -22,6 +24,7 @@ _EXPORTS = {
     "StepRegistry": "capture.registry",
     "preserving": "capture.registry",
     "CompiledRunner": "capture.runner",
+    "CompileCache": "capture.compile_cache",
     "CaptureRecord": "capture.report",
     "CaptureReport": "capture.report",
     "CompileCounts": "capture.guards",

@@ -15,6 +15,20 @@ What is read:
   frame after its first is a recompile (a guard failed: a new shape, a new Python int, ...);
 * cudagraph skips: counters["inductor"]["cudagraph_skips"] (reduce-overhead fell back to no CUDA graph).
 
+* inductor's on-disk caches: counters["inductor"]["fxgraph_cache_hit" / "_miss"] (FX graph cache: generated
+  code) and counters["aot_autograd"]["autograd_cache_hit" / "_miss"] (AOTAutograd cache: the whole compiled
+  graph), read by `cache_counts()`.
+
+What is set:
+
+* the recompile limits (`raise_recompile_limit`), static addresses and static shapes of tensors;
+* a symbolic read length: `dynamic_int(n)` wraps a Python int in torch's `DynamicInt` (torch 2.9+), which dynamo
+  traces as a symbol from the first compile while everything else stays as static as `dynamic=False` makes it;
+* where inductor keeps its on-disk caches: `inductor_cache_dir(dir)` points TORCHINDUCTOR_CACHE_DIR (and, on CUDA,
+  TRITON_CACHE_DIR) at a directory for the duration of a block, with inductor's in-memory code caches cleared on
+  the way in and out (what torch's own `temporary_cache_dir` does), so the kernels compiled inside land in that
+  directory rather than being found in memory from an earlier compile elsewhere.
+
 `torch._dynamo.reset()` clears the frame counters but not `counters`, so callers take differences of
 snapshots and clamp at zero.
 """
@@ -22,7 +36,10 @@ snapshots and clamp at zero.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -143,3 +160,93 @@ def mark_static_address(t: torch.Tensor) -> None:
     get their own graph rather than a replay of one captured over someone else's addresses.
     """
     torch._dynamo.mark_static_address(t, guard=True)
+
+
+def mark_static(t: torch.Tensor) -> None:
+    """Every dimension of `t` static, whatever automatic dynamic shapes would decide (no symbolic batch, say)."""
+    torch._dynamo.mark_static(t)
+
+
+@functools.cache
+def dynamic_int_type() -> Callable[[int], int] | None:
+    """torch's DynamicInt (an int subclass dynamo traces as a symbol), or None on a torch without it (< 2.9)."""
+    try:
+        from torch.fx.experimental.sym_node import DynamicInt
+    except ImportError:  # callers fall back to automatic dynamic shapes
+        return None
+    return DynamicInt
+
+
+def has_dynamic_int() -> bool:
+    """Whether this torch can trace one Python int argument as a symbol from its first compile."""
+    return dynamic_int_type() is not None
+
+
+def dynamic_int(n: int) -> int:
+    """`n` as an int dynamo traces symbolically (an int subclass: eager code sees the same number); `n` itself
+    where this torch lacks DynamicInt."""
+    wrap = dynamic_int_type()
+    return n if wrap is None else wrap(n)
+
+
+def _clear_inductor_memory_caches() -> None:
+    try:
+        from torch._inductor.utils import clear_caches
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return
+    clear_caches()
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None) -> Iterator[None]:
+    """os.environ[name] = value inside the block (None: leave it alone); the previous value (or absence) after."""
+    if value is None:
+        yield
+        return
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+@contextlib.contextmanager
+def inductor_cache_dir(inductor: Path, triton: Path | None = None) -> Iterator[None]:
+    """Inside the block inductor's on-disk caches (FX graph cache, AOTAutograd cache, compiled kernels) live in
+    `inductor`, and Triton's in `triton` if given; both caches are switched on even where the environment turned
+    them off, since a caller that names a directory wants it filled. Process-wide while the block runs (an
+    environment variable and inductor's config): another thread compiling at the same time uses it too.
+    Restored afterwards, environment and config alike."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    inductor.mkdir(parents=True, exist_ok=True)
+    if triton is not None:
+        triton.mkdir(parents=True, exist_ok=True)
+    patches = [inductor_config.patch(fx_graph_cache=True)]
+    if hasattr(functorch_config, "enable_autograd_cache"):
+        patches.append(functorch_config.patch(enable_autograd_cache=True))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_env("TORCHINDUCTOR_CACHE_DIR", str(inductor.resolve())))
+        stack.enter_context(_env("TRITON_CACHE_DIR", None if triton is None else str(triton.resolve())))
+        for patch in patches:
+            stack.enter_context(patch)
+        _clear_inductor_memory_caches()
+        stack.callback(_clear_inductor_memory_caches)  # runs first on the way out, inside the directory
+        yield
+
+
+def cache_counts() -> dict[str, int]:
+    """Inductor's on-disk cache lookups so far in this process: FX graph and AOTAutograd cache hits and misses."""
+    counters = _counters()
+    inductor, aot = counters.get("inductor", {}), counters.get("aot_autograd", {})
+    return {
+        "fxgraph_hit": int(inductor.get("fxgraph_cache_hit", 0)),
+        "fxgraph_miss": int(inductor.get("fxgraph_cache_miss", 0)),
+        "autograd_hit": int(aot.get("autograd_cache_hit", 0)),
+        "autograd_miss": int(aot.get("autograd_cache_miss", 0)),
+    }

@@ -1,9 +1,13 @@
-"""The compiled step registry: one compiled graph per (step kind, read bucket), warmed up before it is needed.
+"""The compiled step registry: compiled steps by (step kind, read bucket), warmed up before they are needed.
 
 A step is `fn(*args, read_len)`: the `args` are fixed for the registry's life (model, cache, static buffers
 that the host fills before each call), `read_len` is a rung of the bucket ladder. Each kind is compiled once
-with `CompileSettings.compile` (fullgraph, dynamic=False), so every rung it is called with becomes its own
-graph; on CUDA with mode="reduce-overhead" each graph is a CUDA graph.
+with `CompileSettings.compile` (fullgraph, dynamic=False). With a static read length every rung it is called with
+becomes its own graph; with a symbolic one (`settings.symbolic_read_len`, the CPU default) the registry passes the
+read length as a DynamicInt, so the first rung's compile is symbolic in it and serves every other rung: one graph
+per kind. Under mode="reduce-overhead" cudagraph trees record one CUDA graph per rung either way (from the rung's
+own graph, or from the shared symbolic one). Records stay per (kind, bucket): `graphs` is 1 where the pair
+compiled and 0 where it reused its kind's symbolic graph.
 
 What the registry takes care of:
 
@@ -13,8 +17,10 @@ What the registry takes care of:
   for a module passed as an argument (the cache), but not plain tensors such as a dataclass of step buffers;
   so the registry calls `torch._dynamo.mark_static_address` on every tensor it is given (cache included, for
   older torch). The GPU tests check `cudagraph_skips == 0`.
-* the recompile limit: kinds x buckets graphs must fit under dynamo's limit. Where torch.compile takes a
-  per-compile limit (2.13+) it is set on each compile; otherwise (torch 2.11 on the GPU machines) the
+* the recompile limit: kinds x buckets graphs must fit under dynamo's limit, also with a symbolic read length
+  (its expected graphs are 1-2 per kind, but a rung the symbolic graph does not cover, a specialised 1 say, then
+  costs a compile rather than a limit error mid-request; the tests pin the real count). Where torch.compile takes
+  a per-compile limit (2.13+) it is set on each compile; otherwise (torch 2.11 on the GPU machines) the
   process-wide limits are raised to the graphs of every registry made so far plus RECOMPILE_HEADROOM (never
   lowered), at construction and again before every compile (warm-up, a lazy first call), in case something
   lowered them in between (a `torch._dynamo.config.patch` that ended, say);
@@ -24,6 +30,9 @@ What the registry takes care of:
   bar and the total capture time are reported; each pair runs inside an NVTX range "capture/<kind>/<bucket>";
 * outputs: steps should write results into static buffers (nothing to lose when a replay overwrites graph
   outputs); any tensors a step does return are cloned under CUDA graphs before the next replay.
+* the compile cache (`compile_cache`, a `capture.compile_cache.CompileCache`): every pair's first calls run
+  with inductor's caches in its directory; on CUDA the cache artifacts are loaded at construction and saved
+  after each warm-up and each lazy compile.
 
 Lazy mode (`warm_up` not called, or called for some pairs only): a pair compiles at its first real call, and
 its record is made then.
@@ -49,6 +58,7 @@ import torch.utils._pytree as pytree
 
 from capture import _dynamo_counters as dc
 from capture.buckets import BucketLadder
+from capture.compile_cache import CompileCache
 from capture.guards import count_compiles
 from capture.report import CaptureRecord, CaptureReport
 from capture.settings import RECOMPILE_HEADROOM, CompileSettings
@@ -88,7 +98,8 @@ def preserving(tensors: Iterable[torch.Tensor], prepare: Callable[[], None] | No
 
 
 class StepRegistry:
-    """Compiled steps by (kind, read bucket) for one set of static arguments.
+    """Compiled steps by (kind, read bucket) for one set of static arguments (one graph per pair, or per kind
+    with a symbolic read length).
 
     steps: kind -> fn(*args, read_len); ladder: the read buckets; args: the fixed leading arguments;
     unbucketed: kinds that read no cache (always called with read_len 0: one graph each);
@@ -96,7 +107,8 @@ class StepRegistry:
     scratch: a context factory for warm-up (see `preserving`); without it, warm-up runs on the live state;
     before_call: run before every warm-up call of a pair: resets what a call consumes (an output index, say),
         since under CUDA graphs a pair is called `warm_up_calls` times inside one scratch context;
-    fallback: run a kind eagerly (and say why in its records) when it fails to compile or capture.
+    fallback: run a kind eagerly (and say why in its records) when it fails to compile or capture;
+    compile_cache: where compiles read and write inductor's caches (None: the environment's).
     """
 
     def __init__(
@@ -112,6 +124,7 @@ class StepRegistry:
         scratch: ScratchFactory | None = None,
         before_call: Callable[[], Any] | None = None,
         fallback: bool = False,
+        compile_cache: CompileCache | None = None,
     ) -> None:
         global _GRAPHS_REQUESTED
         if not isinstance(ladder, BucketLadder):
@@ -133,13 +146,29 @@ class StepRegistry:
         self.scratch = scratch
         self.before_call = before_call
         self._eager = dict(steps)
+        # Kinds whose read length is symbolic: every bucketed kind under symbolic_read_len (an unbucketed kind is
+        # always called with 0, which dynamo would specialise anyway).
+        self.symbolic = frozenset(k for k in steps if self.settings.symbolic_read_len and k not in self.unbucketed)
+        static_tensors = list(static_tensors)
         if self.cudagraphs:
             for t in static_tensors:
                 dc.mark_static_address(t)
+        if self.symbolic:
+            # Only the read length may turn symbolic. dynamic=False already keeps tensors static; on a torch without
+            # DynamicInt the steps compile with automatic dynamic shapes, which would also make symbolic whatever
+            # tensor shape changed between two compiles of a step's code (dynamo keys that state by file and line,
+            # so a regrown cache's bigger batch counts as a change).
+            for t in static_tensors:
+                dc.mark_static(t)
+        self.compile_cache = compile_cache
+        if compile_cache is not None:
+            compile_cache.load()  # CUDA: last process's artifacts into the directory, before anything compiles
         n_graphs = {k: 1 if k in self.unbucketed else len(ladder) for k in steps}
         _GRAPHS_REQUESTED += sum(n_graphs.values())
         _raise_recompile_limit()
-        self._compiled = {k: self.settings.compile(fn, graphs=n_graphs[k]) for k, fn in steps.items()}
+        self._compiled = {
+            k: self.settings.compile(fn, graphs=n_graphs[k], symbolic=k in self.symbolic) for k, fn in steps.items()
+        }
         self._runners = {k: self._runner(k) for k in self._compiled}
         self._rungs = frozenset(ladder.lengths)
         self.records: dict[Pair, CaptureRecord] = {}
@@ -187,15 +216,20 @@ class StepRegistry:
 
     def _runner(self, kind: str, *, eager: bool = False) -> Callable[..., Any]:
         """The per-call wrapper: no_grad (one grad mode for every call, so no guard ever fails on it), the
-        fixed read length of an unbucketed kind, and under CUDA graphs a new replay step and cloned outputs.
-        eager=True: the same around the uncompiled step (a fallback)."""
+        fixed read length of an unbucketed kind, a symbolic kind's read length as a DynamicInt, and under CUDA
+        graphs a new replay step and cloned outputs. eager=True: the same around the uncompiled step (a fallback).
+        """
         fn = self._eager[kind] if eager else self._compiled[kind]
         fixed = 0 if kind in self.unbucketed else None
         cudagraphs = self.cudagraphs and not eager
+        # Every call, not only the compiling one: should anything ever recompile the kind, it stays symbolic.
+        symbolic = kind in self.symbolic and not eager
 
         def call(*a: Any) -> Any:
             if fixed is not None:
                 a = (*a[:-1], fixed)
+            elif symbolic:
+                a = (*a[:-1], dc.dynamic_int(a[-1]))
             with torch.no_grad():
                 if cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()  # earlier outputs may now be overwritten
@@ -211,6 +245,8 @@ class StepRegistry:
         _raise_recompile_limit()
         out, record = self._measure(pair, lambda: self._runners[pair[0]](*a), calls=1)
         self.records[pair] = record
+        if record.graphs and self.compile_cache is not None:
+            self.compile_cache.save()
         return out
 
     # ---- warm-up / capture --------------------------------------------------------------------------------
@@ -238,6 +274,8 @@ class StepRegistry:
                 _, record = self._measure((kind, read_len), call, calls=calls)
                 self.records[(kind, read_len)] = record
                 advance(f"{kind} @ {read_len}: {record.seconds:.1f} s")
+        if self.compile_cache is not None and any(self.records[p].graphs for p in todo):
+            self.compile_cache.save()
         report = CaptureReport(
             records=[self.records[p] for p in todo],
             seconds=time.perf_counter() - t0,
@@ -252,7 +290,8 @@ class StepRegistry:
         kind, read_len = pair
         mem0 = _reserved(self.device)
         out = None
-        with ranges.range(ranges.capture_name(kind, read_len)), count_compiles() as counter, torch.no_grad():
+        cache = self.compile_cache.active() if self.compile_cache is not None else contextlib.nullcontext()
+        with ranges.range(ranges.capture_name(kind, read_len)), cache, count_compiles() as counter, torch.no_grad():
             t0 = time.perf_counter()
             try:
                 for _ in range(calls if kind not in self.fallbacks else 1):

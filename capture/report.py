@@ -1,7 +1,9 @@
 """What capture did, per (kind, bucket): records, a table, a JSON file, and a check against a recorded baseline.
 
 Per pair: compile (and capture) seconds, graphs, graph breaks, recompiles, cudagraph skips and, on CUDA, the
-device memory the capture reserved (graph pool included). `differences()` compares the pairs and the graphs /
+device memory the capture reserved (graph pool included). Per kind (`graphs_per_kind`, the summary line): the graphs
+compiled over its buckets, 1 with a symbolic read length (a pair that reused it shows 0 graphs), 1 per bucket with a
+static one. `differences()` compares the pairs and the graphs /
 graph breaks / cudagraph skips / eager fallback of each with a baseline; seconds, memory and recompiles are
 reported, never compared (they depend on the machine and the torch release). The `static-decode
 capture-report` command (static_decode/commands/capture_report.py) prints, writes and checks these.
@@ -26,9 +28,9 @@ class CaptureRecord:
     kind: str  # step kind ("prefill", "decode", ...)
     read_len: int  # the bucket (0 for kinds that read no cache)
     seconds: float  # wall time of the warm-up calls (compile, and capture under CUDA graphs)
-    graphs: int  # FX graphs compiled (1 for a healthy pair)
+    graphs: int  # FX graphs compiled: 1 where the pair compiled, 0 where it reused its kind's symbolic graph
     graph_breaks: int  # graph breaks (0; fullgraph=True turns one into an error)
-    recompiles: int  # dynamo's recompiles (each bucket after a kind's first is one; informational)
+    recompiles: int  # dynamo's recompiles (static: each bucket after a kind's first is one; informational)
     cudagraph_skips: int  # reduce-overhead fell back to no CUDA graph (0 on CUDA; CPU never uses them)
     pool_bytes: int | None = None  # CUDA: allocator memory reserved during the capture; None elsewhere
     fallback: str = ""  # why this kind runs its eager step instead ("" = compiled; see StepRegistry fallback)
@@ -63,12 +65,24 @@ class CaptureReport:
         """Kinds that run eagerly, with the reason."""
         return {r.kind: r.fallback for r in self.records if r.fallback}
 
+    def graphs_per_kind(self) -> dict[str, tuple[int, int]]:
+        """kind -> (graphs compiled, buckets recorded), in record order: compiles per kind at a glance."""
+        out: dict[str, tuple[int, int]] = {}
+        for r in self.records:
+            graphs, buckets = out.get(r.kind, (0, 0))
+            out[r.kind] = (graphs + r.graphs, buckets + 1)
+        return out
+
     def summary(self) -> str:
         eager = f", {len(self.fallbacks)} kind(s) fell back to eager" if self.fallbacks else ""
+        per_kind = ", ".join(
+            f"{kind} {g} for {b} bucket{'s' if b != 1 else ''}" for kind, (g, b) in self.graphs_per_kind().items()
+        )
+        per_kind = f" ({per_kind})" if per_kind else ""
         return (
-            f"{len(self.records)} (kind, bucket) pairs in {self.seconds:.1f} s: {self.graphs} graphs, "
-            f"{self.graph_breaks} graph breaks, {self.cudagraph_skips} cudagraph skips{eager} ({self.settings} "
-            f"on {self.device})"
+            f"{len(self.records)} (kind, bucket) pairs in {self.seconds:.1f} s: {self.graphs} graphs{per_kind}, "
+            f"{self.graph_breaks} graph breaks, {self.cudagraph_skips} cudagraph skips{eager} "
+            f"({self.settings} on {self.device})"
         )
 
     # ---- JSON ---------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ registry's compiled step). What is decided here, not in the generator:
   cache's spare row), the output index reset before every call, and every buffer and the lengths restored
   afterwards, so warm-up leaves no trace;
 * the compile settings: `CompileSettings.for_device` unless given, aware of a tensor-parallel model's
-  collectives backend; fallback to eager per kind by default only for a tensor-parallel model.
+  collectives backend; fallback to eager per kind by default only for a tensor-parallel model;
+* the compile cache: `CaptureOptions.compile_cache` as a `capture.compile_cache.CompileCache` on the cache's
+  device.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import types
 from collections.abc import Iterable
 
 from capture.buckets import BucketLadder
+from capture.compile_cache import CompileCache
 from capture.registry import Pair, StepRegistry, preserving
 from capture.report import CaptureRecord, CaptureReport
 from capture.settings import CaptureOptions, CompileSettings
@@ -42,7 +45,7 @@ def _own_copy(fn: StepFn) -> StepFn:
 
 
 class CompiledRunner:
-    """Compiled steps over `cache` and `bufs`, one graph per (kind, read bucket); warmed up per `options`."""
+    """Compiled steps over `cache` and `bufs` by (kind, read bucket); warmed up per `options`."""
 
     def __init__(
         self, model: Llama, cache: StaticKVCache, bufs: StepBuffers, options: CaptureOptions | None = None
@@ -67,6 +70,7 @@ class CompiledRunner:
             # (x kinds x buckets) would scatter past the end of `bufs.out` when max_len is small.
             before_call=bufs.step.zero_,
             fallback=tp.enabled if opts.fallback is None else opts.fallback,
+            compile_cache=None if opts.compile_cache is None else CompileCache(opts.compile_cache, cache.device),
         )
         if opts.warm_up == "all":
             self.warm_up(opts.kinds, progress=opts.progress)

@@ -16,7 +16,8 @@ Compile cost decides the shape of the run: on this 2-core CPU each sampled (kind
 inductor lowering when the on-disk inductor cache is cold (the counter-hash noise inlines into a large
 expression), a greedy one 2-10 s. So prompts stay within the first rung (prefill compiles once), sampled
 requests stay within the first rung too (first + decode at 48), and only greedy requests cross into the second
-rung: 6 graphs in all.
+rung: 6 (kind, rung) pairs, 5 graphs with the CPU default's symbolic read length (decode_greedy's second rung
+reuses its graph; 2 graphs for it on a torch without DynamicInt).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import numpy as np
 import pytest
 import torch
 
-from capture import CaptureOptions, steady_state
+from capture import CaptureOptions, CaptureReport, steady_state
+from capture._dynamo_counters import has_dynamic_int
 from static_decode import Generator, Llama, LlamaConfig
 
 pytestmark = pytest.mark.slow
@@ -123,7 +125,10 @@ def test_soak_compiled_equals_eager_with_no_recompile_and_flat_memory() -> None:
             [("prefill", 48), ("first", 0), ("decode", 48), ("first_greedy", 0), ("decode_greedy", 48),
              ("decode_greedy", 96)]
         )
-        assert all(r.graphs == 1 and r.graph_breaks == 0 and not r.fallback for r in records.values())
+        assert all(r.graphs in (0, 1) and r.graph_breaks == 0 and not r.fallback for r in records.values())
+        assert records[("decode_greedy", 96)].graphs == 1  # warmed up largest rung first: it compiled
+        per_kind = CaptureReport(records=list(records.values()), seconds=0.0).graphs_per_kind()
+        assert all(g == 1 for g, _ in per_kind.values()) or not has_dynamic_int(), per_kind
         eager = Generator(model, max_len=MAX_LEN, chunk_size=CHUNK, eos_token_ids=[EOS])
 
         rng = np.random.default_rng(20261130)
@@ -154,7 +159,8 @@ def test_soak_compiled_equals_eager_with_no_recompile_and_flat_memory() -> None:
         assert sorted(gen.runner.records) == sorted(records)  # no (kind, rung) was compiled lazily in the loop
         print(
             f"\nsoak: {requests} requests ({sampled} sampled), {steps} compiled decode steps, {tokens} tokens; "
-            f"warm-up {warm_s:.1f} s (6 graphs), loop {loop_s:.1f} s (compiled + eager); "
+            f"warm-up {warm_s:.1f} s ({sum(r.graphs for r in records.values())} graphs), "
+            f"loop {loop_s:.1f} s (compiled + eager); "
             f"RSS {rss_start / MiB:.1f} MiB after {RSS_AFTER} requests -> {rss_end / MiB:.1f} MiB at the end "
             f"({(rss_end - rss_start) / MiB:+.2f} MiB)"
         )

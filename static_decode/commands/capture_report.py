@@ -1,7 +1,10 @@
 """`static-decode capture-report`: compile every (kind, bucket) of a model's steps and report what capture did.
 
 One row per pair: compile (and capture) seconds, graphs, graph breaks, recompiles, cudagraph skips and, on
-CUDA, the device memory the capture reserved (graph pool included). `--json PATH` writes it; `--check
+CUDA, the device memory the capture reserved (graph pool included); the caption sums the graphs per kind (1 per
+kind with a symbolic read length, the CPU default; 1 per bucket with a static one). `--read-len static|symbolic`
+overrides the device default; `--compile-cache DIR` compiles with a persistent compile cache (capture.compile_cache)
+and records its hits and misses in the JSON (`inductor_cache`). `--json PATH` writes it; `--check
 BASELINE.json` exits non-zero when the pairs, or the graphs / graph breaks / cudagraph skips / eager fallback of
 any pair, differ from the baseline (capture.report.CaptureReport.differences). Under torchrun it reports a
 tensor-parallel rank's steps (all-reduces inside), and the "runs" column says "eager (why)" for a kind whose
@@ -10,14 +13,16 @@ compile or capture failed and fell back.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from capture.compile_cache import cache_counts
 from capture.report import CaptureReport
-from capture.settings import CaptureOptions
+from capture.settings import CaptureOptions, CompileSettings
 from static_decode.commands.args import check_device, int_list, name_list
 from static_decode.generator import Generator
 from static_decode.loading import default_model_path, load_model
@@ -33,17 +38,32 @@ def build_report(
     kinds: tuple[str, ...] | None = None,
     settings: Any = None,
     progress: bool = True,
+    compile_cache: Path | None = None,
 ) -> CaptureReport:
     """Compile every (kind, bucket) of a Generator over `model` and return the records (model: a Llama)."""
-    opts = CaptureOptions(buckets=buckets, settings=settings, warm_up="lazy", progress=progress)
+    opts = CaptureOptions(buckets=buckets, settings=settings, warm_up="lazy", progress=progress,
+                          compile_cache=compile_cache)
     gen = Generator(model, max_len=max_len, chunk_size=chunk_size, batch=batch, compile=True, capture=opts)
     runner = gen.runner
+    before = cache_counts()
     report = gen.warm_up(kinds, progress=progress)
     report.meta |= {
         "max_len": max_len, "chunk_size": chunk_size, "batch": batch, "ladder": list(runner.ladder.lengths),
         "kinds": list(kinds or runner.kinds), "dtype": str(model.dtype).removeprefix("torch."),
     }
+    if compile_cache is not None:  # hits: what this process did not have to compile again
+        after = cache_counts()
+        report.meta["compile_cache"] = str(compile_cache)
+        report.meta["inductor_cache"] = {k: after[k] - before[k] for k in after}
     return report
+
+
+def _settings(args: Any, device: Any, launch: Any) -> CompileSettings | None:
+    """--read-len over the device default (None: the runner picks the default itself)."""
+    if args.read_len is None:
+        return None
+    base = CompileSettings.for_device(device, collectives=launch.backend if launch else None)
+    return dataclasses.replace(base, symbolic_read_len=args.read_len == "symbolic")
 
 
 def run_capture_report(args: Any) -> int:
@@ -59,7 +79,8 @@ def run_capture_report(args: Any) -> int:
     model = load_model(path, dtype=args.dtype, device=device, **({"tp": launch.tp} if launch else {}))
     report = build_report(
         model, max_len=args.max_len, chunk_size=args.chunk_size, batch=args.batch, buckets=args.buckets,
-        kinds=args.kinds, progress=not args.quiet,
+        kinds=args.kinds, settings=_settings(args, device, launch), progress=not args.quiet,
+        compile_cache=args.compile_cache,
     )
     report.meta["model"] = "embedded default" if args.model is None else str(path)
     if launch is not None:
@@ -96,5 +117,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--json", type=Path, default=None, help="write the report as JSON to this path")
     p.add_argument("--check", type=Path, default=None, help="baseline JSON: exit 1 if graphs/breaks/skips differ")
+    p.add_argument("--read-len", choices=("static", "symbolic"), default=None,
+                   help="compile the read length static (a graph per bucket) or symbolic (a graph per kind); "
+                        "default: the device's (symbolic on CPU, static on CUDA)")
+    p.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
+                   help="persistent compile cache directory: a later run with the same DIR skips inductor's work")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run_capture_report, distributed=True)
