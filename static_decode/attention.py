@@ -146,7 +146,7 @@ def grouped_attention(
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if k.shape[2] == 0:  # nothing cached in any row (a static shape, so this branch is fine under compile)
+    if k.shape[2] == 0 or q.shape[2] == 0:  # nothing cached, or no query slot (static shapes: fine under compile)
         return torch.zeros_like(q)
     if impl == "flex":  # its mask is a function of the lengths, evaluated inside the kernel
         return _flex(q, k, v, lens, n_new)

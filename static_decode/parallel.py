@@ -147,7 +147,11 @@ class TensorParallel:
         Sampling without a seed must use the same seed on every rank: the all-reduced logits are identical, so
         the same noise picks the same tokens, the ranks stop at EOS together and their collectives stay matched.
         One host broadcast per request, outside every step."""
-        value = random.getrandbits(bits)
+        return int(self.from_rank0(random.getrandbits(bits)))
+
+    def from_rank0(self, value: Any) -> Any:
+        """Group rank 0's `value` on every rank (a picklable host object; world 1: `value` itself). For host
+        decisions every rank must share: a sampling seed, a line of user input read on rank 0 only."""
         if self.world == 1:
             return value
         self.require_group()
@@ -156,7 +160,7 @@ class TensorParallel:
         box = [value]
         src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         dist.broadcast_object_list(box, src=src, group=self.group)
-        return int(box[0])
+        return box[0]
 
     def describe(self) -> str:
         return f"tensor-parallel rank {self.rank} of {self.world}" if self.enabled else "single process"

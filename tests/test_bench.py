@@ -3,8 +3,9 @@
 Pins: prefill and decode are timed apart per request and reduced by the median over the timed requests only
 (warm-up requests are not timed), with the systems taking turns request by request; a system that emits the
 wrong number of tokens is refused; every system (static-decode compiled, eager, full-read, concat,
-transformers) gives transformers' own greedy continuation (an independent reference) on a tiny checkpoint, and
-a mismatch with static-decode is reported with its first index; the JSON has the documented keys; the plot is
+transformers) gives transformers' own greedy continuation (an independent reference) on a tiny checkpoint
+(llama.cpp needs a GGUF: here it is skipped with a note; tests/test_smollm2.py runs it where it can), and a
+mismatch with static-decode is reported with its first index; the JSON has the documented keys; the plot is
 a PNG; `--profile` writes a Chrome trace for bench and for generate; bad sweeps are refused naming the value.
 No timing thresholds: the numbers are only checked to be what the fake clock dictates, or positive.
 """
@@ -117,6 +118,9 @@ def test_every_system_gives_the_reference_greedy_tokens(checkpoint):
     for name in bench_systems.SYSTEMS:
         system, why = bench_systems.build(name, model, path=path, max_len=40, settings=EAGER,
                                           transformers_compile=False)
+        if name == "llama.cpp":  # needs a GGUF (tests/test_smollm2.py converts one where it can)
+            assert system is None and why.startswith("skipped: "), why
+            continue
         assert system is not None, why
         for _ in range(2):  # the second request reuses the system's cache: it must start from scratch
             assert bench_run.request(system, prompt, 6, None) == want, name
@@ -149,10 +153,11 @@ def test_bench_run_json_plot_and_profile(checkpoint, tmp_path, capsys):
     assert doc["model"]["layers"] == 2 and doc["model"]["kv_heads"] == 2
     assert doc["bench"]["command"].startswith("static-decode bench --contexts 5,20 --max-len 32 --steps 4")
     assert [s["system"] for s in doc["systems"]] == list(bench_systems.SYSTEMS)
-    assert all("mode" in s and s["setup_s"] >= 0 for s in doc["systems"])
-    assert [(r["system"], r["context"]) for r in doc["rows"]] == [
-        (s, c) for c in (5, 20) for s in bench_systems.SYSTEMS
-    ]
+    ran = [n for n in bench_systems.SYSTEMS if n != "llama.cpp"]  # no --gguf: llama.cpp is skipped with a note
+    assert all("mode" in s and s["setup_s"] >= 0 for s in doc["systems"] if s["system"] in ran)
+    assert doc["systems"][-1]["skipped"].startswith("skipped: ")
+    assert any(n.startswith("llama.cpp: skipped: ") for n in doc["notes"])
+    assert [(r["system"], r["context"]) for r in doc["rows"]] == [(s, c) for c in (5, 20) for s in ran]
     for r in doc["rows"]:
         assert set(r) >= {"system", "context", "max_len", "ms_per_token", "prefill_ms", "tokens_match"}
         assert r["max_len"] == 32 and r["ms_per_token"] > 0 and r["prefill_ms"] > 0 and r["repeats"] == 2
@@ -178,6 +183,34 @@ def test_generate_profile_writes_a_chrome_trace(checkpoint, tmp_path, capsys):
                    "--device", "cpu", "--profile", str(trace)])
     assert rc == 0 and "traceEvents" in json.loads(trace.read_text())
     assert str(trace) in capsys.readouterr().err
+
+
+def test_llama_cpp_is_skipped_with_a_note_without_the_package_or_a_gguf(checkpoint, monkeypatch, tmp_path):
+    _, path = checkpoint
+    from static_decode.loading import load_model
+
+    model = load_model(path)
+    find_spec = bench_systems.importlib.util.find_spec
+    monkeypatch.setattr(bench_systems.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llama_cpp" else find_spec(name, *a))
+    gguf = tmp_path / "m.gguf"
+    system, why = bench_systems.build("llama.cpp", model, path=path, max_len=40, gguf=gguf, threads=1)
+    assert system is None and "llama-cpp-python is not installed" in why and "[llamacpp]" in why
+    monkeypatch.setattr(bench_systems.importlib.util, "find_spec", lambda name, *a: object())  # "installed"
+    system, why = bench_systems.build("llama.cpp", model, path=path, max_len=40, gguf=None, threads=1)
+    assert system is None and "no --gguf PATH" in why
+
+
+def test_gguf_option_reaches_the_config_and_the_command(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    config = bench.config_from_args(_args("--gguf", str(gguf), "--systems", "static-decode,llama.cpp"))
+    assert config.gguf == gguf and config.systems == ("static-decode", "llama.cpp")
+    assert f"--gguf {gguf}" in config.command(1)
+    assert "llama.cpp" not in bench_systems.TP_SYSTEMS  # one process: skipped under torchrun
+    with pytest.raises(FileNotFoundError, match="--gguf .*missing.gguf: no such file"):
+        bench_config.BenchConfig(gguf=tmp_path / "missing.gguf")
+    bench_config.BenchConfig(gguf=tmp_path / "missing.gguf", systems=("static-decode",))  # not used: not checked
 
 
 # ---- options and refusals ------------------------------------------------------------------------------------

@@ -144,3 +144,25 @@ def test_every_shipped_command_runs_under_torchrun():
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     assert {name for name, p in commands.items() if p.get_default("distributed")} == set(commands)
+
+
+def test_chat_on_two_ranks_prints_what_one_process_prints(tmp_path):
+    """Rank 0 reads stdin and shares each line; every rank takes the same turns over its shard."""
+    from tests.checkpoints import byte_tokenizer
+
+    path = save(hf_llama(seed=8, vocab=128, eos=None), tmp_path)  # 8 query / 2 KV heads
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    args = ["chat", "--model", str(path), "--max-new-tokens", "6", "--max-len", "96", "--device", "cpu"]
+
+    def chat(*prefix: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *prefix, "-m", "static_decode", *args], env=_env(), input="hi\nagain\n",
+                              capture_output=True, text=True, timeout=240)
+
+    single, sharded = chat(), chat(*_torchrun(2))
+    assert single.returncode == 0, single.stderr[-2000:]
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    assert sharded.stdout == single.stdout and single.stdout.count("\n") >= 2
+    assert sharded.stderr.count("[turn 2: prefilled") == 1  # rank 0 prints

@@ -21,6 +21,8 @@ from static_decode.commands.bench_systems import SYSTEMS
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = BenchConfig()
     p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: embedded model)")
+    p.add_argument("--gguf", type=Path, default=None,
+                   help="GGUF of the same weights for the llama.cpp system (skipped without it)")
     p.add_argument("--contexts", type=int_list, default=None, help=f"live context lengths (default {d.contexts})")
     p.add_argument("--max-len", type=int, default=d.max_len, help="cache capacity (fixed over the sweep)")
     p.add_argument("--steps", type=int, default=None, help=f"timed decode steps per request (default {d.steps})")
@@ -62,7 +64,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup=args.warmup, systems=args.systems, model=args.model, threads=args.threads, device=args.device,
         dtype=args.dtype, attention_lengths=None if args.no_attention else pick("attention_lengths"),
         transformers_compile=args.transformers_compile, progress=not args.quiet, profile=args.profile,
-        wait_idle=args.wait_idle,
+        wait_idle=args.wait_idle, gguf=args.gguf,
     )
 
 

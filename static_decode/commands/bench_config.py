@@ -37,6 +37,7 @@ class BenchConfig:
     profile: Path | None = None  # torch.profiler Chrome trace of PROFILE_STEPS decode steps of the first system
     wait_idle: float = 0.0  # before each timed request wait up to this many s for the CPUs to be idle (shared hosts)
     tp: TensorParallel = SINGLE  # under torchrun: this rank's place (static_decode.launch)
+    gguf: Path | None = None  # the llama.cpp system's model: a GGUF of the same weights (skipped without one)
 
     def __post_init__(self) -> None:
         for name in ("max_len", "steps", "repeats"):
@@ -54,6 +55,9 @@ class BenchConfig:
         unknown = [s for s in self.systems if s not in SYSTEMS]
         if unknown or not self.systems or len(set(self.systems)) != len(self.systems):
             raise ValueError(f"systems must be distinct names from {', '.join(SYSTEMS)}, got {self.systems}")
+        if self.gguf is not None and "llama.cpp" in self.systems and not Path(self.gguf).is_file():
+            # checked here, before minutes of model loading and compiling for the systems that come first
+            raise FileNotFoundError(f"--gguf {self.gguf}: no such file")
 
     def command(self, threads: int) -> str:
         """The command line that repeats this run (output paths left out)."""
@@ -67,6 +71,7 @@ def command(config: BenchConfig, threads: int) -> str:
              f"--max-len {config.max_len}", f"--steps {config.steps}", f"--repeats {config.repeats}",
              f"--warmup {config.warmup}", f"--systems {','.join(config.systems)}", f"--threads {threads}"]
     parts += [f"--model {config.model}"] if config.model else []
+    parts += [f"--gguf {config.gguf}"] if config.gguf else []
     parts += [f"--device {config.device}"] if config.device else []
     parts += [f"--dtype {config.dtype}"] if config.dtype else []
     if config.attention_lengths is None:

@@ -210,7 +210,8 @@ def run(config: BenchConfig) -> dict[str, Any]:
             else:
                 with ranges.range(ranges.bench_name("setup")):
                     system, why = build(name, model, path=path, max_len=config.max_len, settings=config.settings,
-                                        transformers_compile=config.transformers_compile)
+                                        transformers_compile=config.transformers_compile, gguf=config.gguf,
+                                        threads=threads)
             entry = {"system": name, "setup_s": round(time.perf_counter() - t0, 2)}
             doc["systems"].append(entry | ({"mode": system.mode} if system else {"skipped": why}))
             advance(f"{name} ready", 1 + (0 if system else len(config.contexts) * config.repeats))

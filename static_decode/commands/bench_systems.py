@@ -18,6 +18,10 @@ EOS never stops a request (every system emits exactly new_tokens), so every requ
 * `transformers`: LlamaForCausalLM on the same checkpoint with its StaticCache and the decode loop of its
   docs ("Optimizing inference", custom loop with StaticCache): prefill eager, the one-token decode function
   compiled with torch.compile(mode="reduce-overhead", fullgraph=True); eager if that fails.
+* `llama.cpp`: llama-cpp-python (the `llamacpp` extra) on a GGUF of the same weights (`--gguf PATH`; e.g. written
+  by profiles/smollm2.py with llama.cpp's own convert_hf_to_gguf.py), on the CPU with the bench's threads. Greedy
+  by argmax of the last logits row after each `eval`, not llama.cpp's sampler chain, so nothing but the logits
+  decides a token. Skipped with a note when llama_cpp is not installed or no GGUF is given.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from capture.buckets import BucketLadder
@@ -36,7 +41,7 @@ from capture.settings import CaptureOptions
 from static_decode.generator import Generator
 from static_decode.model import Llama
 
-SYSTEMS = ("static-decode", "static-decode-eager", "full-read", "concat", "transformers")
+SYSTEMS = ("static-decode", "static-decode-eager", "full-read", "concat", "transformers", "llama.cpp")
 TP_SYSTEMS = ("static-decode", "static-decode-eager", "full-read")  # the ones that run a tensor-parallel shard
 GREEDY_KINDS = ("prefill", "first_greedy", "decode_greedy")
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"  # only in a source checkout
@@ -197,10 +202,58 @@ class TransformersSystem(_LoopSystem):
         return out
 
 
+class LlamaCppSystem:
+    """llama.cpp through llama-cpp-python on a GGUF, greedy: argmax of the logits of the last evaluated token.
+
+    `Llama.eval` runs llama_decode and keeps no logits when logits_all=False (its sampler reads them from the
+    context), so the row is read from the context itself with llama_get_logits_ith(ctx, -1). That leaves out
+    llama.cpp's sampler chain (penalties, top-k, temperature): the token is decided by the logits alone, as in
+    every other system, and ties go to the lowest id as with torch.argmax."""
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf: Path, max_len: int, threads: int) -> None:
+        import llama_cpp
+
+        self._llama_cpp = llama_cpp
+        # n_ctx = max_len: the same capacity as the other systems' caches. n_gpu_layers=0 keeps every layer on
+        # the CPU whatever backend the wheel was built with; the prompt's batch threads match the decode threads.
+        self.llm = llama_cpp.Llama(
+            model_path=str(gguf), n_ctx=max_len, n_threads=threads, n_threads_batch=threads, n_gpu_layers=0,
+            logits_all=False, verbose=False,
+        )
+        self._vocab = self.llm.n_vocab()
+        file_type = self.llm.metadata.get("general.file_type", "?")
+        self.mode = (
+            f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, CPU, {threads} threads, n_ctx "
+            f"{self.llm.n_ctx()}, n_batch {self.llm.n_batch}; {gguf.name} (general.file_type {file_type}; its own "
+            f"dtype, whatever --dtype says); greedy by argmax of the last logits row"
+        )
+
+    def _eval_argmax(self, tokens: list[int]) -> int:
+        self.llm.eval(tokens)
+        row = self._llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)  # the batch's last (only) output row
+        return int(np.ctypeslib.as_array(row, shape=(self._vocab,)).argmax())
+
+    def start(self, prompt: list[int], new_tokens: int) -> None:
+        # reset() sets the position to 0; eval then drops every cached K/V from there on (memory_seq_rm) before
+        # the prompt goes in, so a request never sees the previous one's cache.
+        self.llm.reset()
+        self._left = new_tokens - 1
+        self._first = self._eval_argmax(list(prompt))
+
+    def finish(self) -> list[int]:
+        out = [self._first]
+        for _ in range(self._left):
+            out.append(self._eval_argmax([out[-1]]))
+        return out
+
+
 def build(
-    name: str, model: Llama, *, path: Path, max_len: int, settings: Any = None, transformers_compile: bool = True
+    name: str, model: Llama, *, path: Path, max_len: int, settings: Any = None, transformers_compile: bool = True,
+    gguf: Path | None = None, threads: int = 1,
 ) -> tuple[System | None, str]:
-    """The system called `name`, or (None, why it is skipped)."""
+    """The system called `name`, or (None, why it is skipped). `gguf` and `threads`: the llama.cpp system's."""
     if name in ("static-decode", "static-decode-eager", "full-read"):
         return GeneratorSystem(name, model, max_len, settings), ""
     if name == "concat":
@@ -212,4 +265,11 @@ def build(
         if importlib.util.find_spec("transformers") is None:
             return None, "skipped: transformers is not installed (pip install 'static-decode[bench]')"
         return TransformersSystem(path, model.dtype, model.device, max_len, transformers_compile), ""
+    if name == "llama.cpp":
+        if importlib.util.find_spec("llama_cpp") is None:
+            return None, "skipped: llama-cpp-python is not installed (pip install 'static-decode[llamacpp]')"
+        if gguf is None:
+            return None, ("skipped: no --gguf PATH (a GGUF of the same weights; profiles/smollm2.py --gguf f32 "
+                          "writes one with llama.cpp's convert_hf_to_gguf.py)")
+        return LlamaCppSystem(gguf, max_len, threads), ""
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")

@@ -63,7 +63,12 @@ class ChatSession:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    device = check_device(args.device)
+    """The chat loop. Under torchrun every rank runs it over its shard; rank 0 reads stdin and shares each line."""
+    from static_decode.parallel import SINGLE
+
+    launch = getattr(args, "launch", None)  # set under torchrun: this rank's shard and device
+    tp = launch.tp if launch is not None else SINGLE
+    device = launch.device if launch is not None else check_device(args.device)
     path = args.model or default_model_path()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
@@ -74,7 +79,7 @@ def run_chat(args: argparse.Namespace) -> int:
     if template is None:
         raise ValueError(f"chat needs a chat template (chat_template.jinja or tokenizer_config.json's chat_template) "
                          f"in {path}")
-    model = load_model(path, dtype=args.dtype, device=device)
+    model = load_model(path, dtype=args.dtype, device=device, tp=tp)
     max_len = args.max_len or min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)
     capture = None
     if args.compile:
@@ -87,11 +92,11 @@ def run_chat(args: argparse.Namespace) -> int:
                     capture=capture)
     session = ChatSession(gen, tokenizer, template)
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
-    interactive = sys.stdin.isatty()
+    interactive = tp.rank == 0 and sys.stdin.isatty()
     while True:
         if interactive:
             print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
+        line = tp.from_rank0(sys.stdin.readline() if tp.rank == 0 else None)  # every rank takes the same turn
         if not line:  # end of input (Ctrl-D)
             return 0
         text = line.rstrip("\n")
@@ -133,4 +138,4 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="compile the steps")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    p.set_defaults(run=run_chat)
+    p.set_defaults(run=run_chat, distributed=True)
