@@ -1,10 +1,22 @@
-"""Suite-wide settings: one intra-op thread.
+"""Suite-wide settings: one intra-op thread, and no structured compile trace under pytest's log capture.
 
 The test models are tiny; with two OpenMP threads on a 2-core machine every small op pays a fork/join and
 spin-wait (measured ~5x slower per decode step here), so the suite runs single-threaded. Timings belong in
 profiles/, not here.
 """
 
+import logging
+
+import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_trace_log_capture():
+    """pytest's log capture makes torch build its structured compile trace (graph dumps): ~2x compile time."""
+    log = logging.getLogger("torch.__trace")
+    saved, log.propagate = log.propagate, False
+    yield
+    log.propagate = saved

@@ -28,8 +28,6 @@ inductor cases; the counting cases use backend="eager" (dynamo's graphs without 
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -58,13 +56,6 @@ SYMBOLIC_EAGER = CompileSettings(backend="eager", symbolic_read_len=True)  # one
 GRAPHS_PER_SYMBOLIC_KIND = 1 if dc.has_dynamic_int() else 2  # without DynamicInt: static first rung, then symbolic
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_trace_log_capture():
-    """pytest's log capture makes torch build its structured compile trace (graph dumps): ~2x compile time."""
-    log = logging.getLogger("torch.__trace")
-    saved, log.propagate = log.propagate, False
-    yield
-    log.propagate = saved
 
 
 @pytest.fixture(scope="module")

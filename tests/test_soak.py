@@ -23,7 +23,6 @@ reuses its graph; 2 graphs for it on a torch without DynamicInt).
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import resource
 import time
@@ -53,13 +52,6 @@ RSS_GROWTH_BOUND = 20 * 2**20
 MiB = 2**20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_trace_log_capture():
-    """pytest's log capture makes torch build its structured compile trace (graph dumps): ~2x compile time."""
-    log = logging.getLogger("torch.__trace")
-    saved, log.propagate = log.propagate, False
-    yield
-    log.propagate = saved
 
 
 def _rss() -> int:
