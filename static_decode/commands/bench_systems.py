@@ -15,9 +15,10 @@ EOS never stops a request (every system emits exactly new_tokens), so every requ
   as gpt-fast and transformers' StaticCache do.
 * `concat`: the deliberately naive baseline in profiles/baselines.py (cache grown by torch.cat, KV heads
   repeated), loaded by file path from a source checkout; the library never imports it.
-* `transformers`: LlamaForCausalLM on the same checkpoint with its StaticCache and the decode loop of its
-  docs ("Optimizing inference", custom loop with StaticCache): prefill eager, the one-token decode function
-  compiled with torch.compile(mode="reduce-overhead", fullgraph=True); eager if that fails.
+* `transformers`: the checkpoint's own transformers model (AutoModelForCausalLM: Llama, Qwen2/3, Mistral) with
+  its StaticCache and the decode loop of its docs ("Optimizing inference", custom loop with StaticCache): prefill
+  eager, the one-token decode function compiled with torch.compile(mode="reduce-overhead", fullgraph=True); eager
+  if that fails.
 * `llama.cpp`: llama-cpp-python (the `llamacpp` extra) on a GGUF of the same weights (`--gguf PATH`; e.g. written
   by profiles/smollm2.py with llama.cpp's own convert_hf_to_gguf.py), on the CPU with the bench's threads. Greedy
   by argmax of the last logits row after each `eval`, not llama.cpp's sampler chain, so nothing but the logits
@@ -148,7 +149,7 @@ def _hf_decode_one(
 
 
 class TransformersSystem(_LoopSystem):
-    """transformers' LlamaForCausalLM + StaticCache(max_cache_len=max_len), the docs' custom decode loop."""
+    """transformers' model of the checkpoint + StaticCache(max_cache_len=max_len), the docs' custom decode loop."""
 
     name = "transformers"
 
@@ -159,7 +160,7 @@ class TransformersSystem(_LoopSystem):
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
-        self.model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         self.cache = transformers.StaticCache(config=self.model.config, max_cache_len=max_len)
         self.device = device
         params = inspect.signature(self.model.forward).parameters
