@@ -152,11 +152,11 @@ def converter(sdist: Path, dest: Path) -> Path:
     return script
 
 
-def cached_converter(cache: Path = DEFAULT_CACHE) -> Path | None:
-    """The converter of the pinned sdist if `cache` already holds it (unpacked on first use), else None: this
-    never downloads (the tests use it to convert a tiny checkpoint only where a run has fetched the sdist)."""
-    sdist = cache / SDIST_FILE
-    return converter(sdist, cache) if sdist.is_file() else None
+def fetch_converter(cache: Path = DEFAULT_CACHE) -> Path:
+    """The converter of the pinned sdist: downloaded once from the package index (sha256-checked) into `cache`."""
+    sdist = pip_download(f"llama-cpp-python=={LLAMA_CPP_PYTHON}", cache, SDIST_FILE, sdist=True)
+    check_sha256(sdist, SDIST_SHA256)
+    return converter(sdist, cache)
 
 
 def convert(script: Path, checkpoint: Path, outtype: str, outfile: Path) -> None:
@@ -231,15 +231,13 @@ def main(argv: list[str] | None = None) -> int:
 
     ggufs = []
     if args.gguf:
-        sdist = pip_download(f"llama-cpp-python=={LLAMA_CPP_PYTHON}", cache, SDIST_FILE, sdist=True)
-        sdist_sha = check_sha256(sdist, SDIST_SHA256)
-        script = converter(sdist, cache)
+        script = fetch_converter(cache)
         for outtype in args.gguf:
             target = out / f"model-{outtype}.gguf"
             convert(script, out, outtype, target)
             ggufs.append({"file": target.name, "outtype": outtype, "sha256": sha256(target),
                           "converter": f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist, vendor/llama.cpp/"
-                                       "convert_hf_to_gguf.py", "sdist_sha256": sdist_sha})
+                                       "convert_hf_to_gguf.py", "sdist_sha256": SDIST_SHA256})
             print(f"wrote {target}", file=sys.stderr)
 
     doc = {
