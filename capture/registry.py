@@ -75,9 +75,10 @@ _GRAPHS_REQUESTED = 0  # all pairs of all registries in this process (the proces
 def _raise_recompile_limit() -> None:
     """Process-wide limits >= every pair of every registry so far + headroom (what torch < 2.13 relies on).
 
-    Without per-compile isolation all compiles of one step function share its code object's graphs, so one
-    code object may hold the graphs of every registry made in this process (a regrown cache, several
-    Generators): `_GRAPHS_REQUESTED` bounds that from above, whatever `torch._dynamo.reset()` cleared.
+    Without per-compile isolation all compiles of one function share its code object's graphs, so one code
+    object may hold the graphs of every registry made over it in this process (the Generator's runners compile
+    their own copies; a caller passing shared functions does not): `_GRAPHS_REQUESTED` bounds that from above,
+    whatever `torch._dynamo.reset()` cleared.
     """
     dc.raise_recompile_limit(_GRAPHS_REQUESTED + RECOMPILE_HEADROOM)
 

@@ -35,7 +35,6 @@ sys.path.insert(0, str(ROOT))
 
 VARIANTS = ("eager", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "cpp-wrapper")
 PROMPT_LEN, NEW_TOKENS, MAX_LEN = 96, 128, 256
-GREEDY_KINDS = ("prefill", "first_greedy", "decode_greedy")
 
 
 def _model():
@@ -71,6 +70,7 @@ def build(variant: str, model):
     """A Generator for `variant`, its cold compile seconds and compile counts."""
     from capture import CaptureOptions, count_compiles
     from static_decode import Generator
+    from static_decode.steps import GREEDY_KINDS
 
     compiled = variant != "eager"
     capture = CaptureOptions(settings=_settings(variant), kinds=GREEDY_KINDS, progress=False) if compiled else None

@@ -141,6 +141,8 @@ STEPS: dict[str, StepFn] = {
     "decode_greedy": greedy_one,
 }
 UNBUCKETED = ("first", "first_greedy")  # kinds that read no cache: always launched with read_len 0
+GREEDY_KINDS = ("prefill", "first_greedy", "decode_greedy")  # what an all-greedy request launches
+SAMPLED_KINDS = ("prefill", "first", "decode")  # what a request with temperature > 0 launches
 
 
 class StepRunner(Protocol):

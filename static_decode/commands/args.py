@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from capture.settings import CaptureOptions
+from static_decode.steps import GREEDY_KINDS, SAMPLED_KINDS
+
 if TYPE_CHECKING:
     import torch
 
@@ -18,6 +21,14 @@ def int_list(text: str) -> tuple[int, ...]:
     if not values:
         raise argparse.ArgumentTypeError("expected at least one int")
     return values
+
+
+def capture_options(compile: bool, temperature: float) -> CaptureOptions | None:
+    """compile=True: capture only the kinds a request at this temperature runs (the sampling kinds compile slowly
+    on the CPU); None otherwise."""
+    if not compile:
+        return None
+    return CaptureOptions(kinds=GREEDY_KINDS if temperature == 0 else SAMPLED_KINDS)
 
 
 def name_list(text: str) -> tuple[str, ...]:

@@ -41,10 +41,10 @@ from capture.buckets import BucketLadder
 from capture.settings import CaptureOptions
 from static_decode.generator import Generator
 from static_decode.model import Llama
+from static_decode.steps import GREEDY_KINDS
 
 SYSTEMS = ("static-decode", "static-decode-eager", "full-read", "concat", "transformers", "llama.cpp")
 TP_SYSTEMS = ("static-decode", "static-decode-eager", "full-read")  # the ones that run a tensor-parallel shard
-GREEDY_KINDS = ("prefill", "first_greedy", "decode_greedy")
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"  # only in a source checkout
 
 

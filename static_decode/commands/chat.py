@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from static_decode.chat_template import ChatTemplate, load_chat_template
-from static_decode.commands.args import check_device
+from static_decode.commands.args import capture_options, check_device
 from static_decode.commands.streaming import write_stream
 from static_decode.conversation import Conversation
 from static_decode.generator import DEFAULT_CHUNK_SIZE, Generator
@@ -81,13 +81,7 @@ def run_chat(args: argparse.Namespace) -> int:
                          f"in {path}")
     model = load_model(path, dtype=args.dtype, device=device, tp=tp)
     max_len = args.max_len or min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)
-    capture = None
-    if args.compile:
-        from capture.settings import CaptureOptions
-
-        greedy = args.temperature == 0
-        capture = CaptureOptions(kinds=("prefill", "first_greedy", "decode_greedy") if greedy else
-                                 ("prefill", "first", "decode"))
+    capture = capture_options(args.compile, args.temperature)
     gen = Generator(model, max_len=max_len, chunk_size=args.chunk_size, batch=1, compile=args.compile,
                     capture=capture)
     session = ChatSession(gen, tokenizer, template)

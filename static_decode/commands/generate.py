@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from static_decode.chat_template import load_chat_template
-from static_decode.commands.args import check_device, int_list
+from static_decode.commands.args import capture_options, check_device, int_list
 from static_decode.commands.streaming import write_stream
 from static_decode.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
 from static_decode.loading import default_model_path, load_model, load_tokenizer
@@ -86,13 +86,7 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3")
     max_len = args.max_len or len(prompt) + args.max_new_tokens
-    capture = None
-    if args.compile:  # capture only the kinds this request runs (the sampling kinds compile slowly on CPU)
-        from capture.settings import CaptureOptions
-
-        greedy = args.temperature == 0
-        kinds = ("prefill", "first_greedy", "decode_greedy") if greedy else ("prefill", "first", "decode")
-        capture = CaptureOptions(kinds=kinds)
+    capture = capture_options(args.compile, args.temperature)
     gen = Generator(model, max_len=max_len, chunk_size=args.chunk_size, compile=args.compile, capture=capture)
     tokens = gen.stream(
         prompt,
