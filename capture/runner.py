@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from capture.buckets import BucketLadder
 from capture.compile_cache import CompileCache
@@ -48,24 +48,33 @@ class CompiledRunner:
     """Compiled steps over `cache` and `bufs` by (kind, read bucket); warmed up per `options`."""
 
     def __init__(
-        self, model: Llama, cache: StaticKVCache, bufs: StepBuffers, options: CaptureOptions | None = None
+        self,
+        model: Llama,
+        cache: StaticKVCache,
+        bufs: StepBuffers,
+        options: CaptureOptions | None = None,
+        *,
+        steps: Mapping[str, StepFn] | None = None,
+        draft_cache: StaticKVCache | None = None,
     ) -> None:
         opts = CaptureOptions() if options is None else options
         if not isinstance(opts, CaptureOptions):
             raise TypeError(f"capture must be a capture.CaptureOptions, got {type(opts).__name__}")
         self.options = opts
-        live = [cache.lens, *bufs.tensors().values()]
+        # A draft model's cache is state the steps mutate too: static addresses, and its lengths kept by warm-up.
+        caches = [cache] if draft_cache is None else [cache, draft_cache]
+        live = [*(c.lens for c in caches), *bufs.tensors().values()]
 
         def idle() -> contextlib.AbstractContextManager[None]:
             return preserving(live, prepare=lambda: (bufs.done.fill_(True), bufs.n_new.zero_()))
 
         tp = model.tp
         settings = opts.settings or CompileSettings.for_device(cache.device, collectives=tp.backend())
-        self._fns = {kind: _own_copy(fn) for kind, fn in STEPS.items()}
+        self._fns = {kind: _own_copy(fn) for kind, fn in (STEPS if steps is None else steps).items()}
         self.registry = StepRegistry(
             self._fns, BucketLadder.of(opts.buckets, cache.max_len), args=(model, cache, bufs),
             device=cache.device, settings=settings, unbucketed=UNBUCKETED,
-            static_tensors=[cache.k, cache.v, *live], scratch=idle,
+            static_tensors=[*(t for c in caches for t in (c.k, c.v)), *live], scratch=idle,
             # Each emitting call advances the output index; reset it, or 3 calls per pair under CUDA graphs
             # (x kinds x buckets) would scatter past the end of `bufs.out` when max_len is small.
             before_call=bufs.step.zero_,

@@ -10,9 +10,11 @@ from static_decode.exports import lazy_exports
 
 _EXPORTS = {
     "Conversation": "static_decode.conversation",
+    "DraftModel": "static_decode.speculation",
     "Generator": "static_decode.generator",
     "GenerationStats": "static_decode.stats",
     "Llama": "static_decode.model",
+    "PromptLookup": "static_decode.speculation",
     "LlamaConfig": "static_decode.config",
     "StaticKVCache": "static_decode.cache",
     "TensorParallel": "static_decode.parallel",

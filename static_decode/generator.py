@@ -20,6 +20,7 @@ step.
 from __future__ import annotations
 
 import time
+from collections.abc import Generator as Gen
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -30,11 +31,13 @@ from capture.settings import CaptureOptions
 from static_decode import ranges, sampling
 from static_decode.cache import StaticKVCache
 from static_decode.checks import check_int
-from static_decode.memory import check_fits, generation_bytes
+from static_decode.memory import cache_bytes, check_fits, generation_bytes
 from static_decode.model import Llama
 from static_decode.request import Request, check_request
+from static_decode.speculation import DraftModel, PromptLookup, Speculation, SpeculationPolicy
 from static_decode.stats import GenerationStats
-from static_decode.steps import PAD, EagerRunner, StepBuffers, StepFn, StepRunner
+from static_decode.steps import PAD, STEPS, EagerRunner, StepBuffers, StepFn, StepRunner
+from static_decode.verify import speculative_steps
 
 if TYPE_CHECKING:
     from capture.report import CaptureRecord, CaptureReport
@@ -64,6 +67,7 @@ class Generator:
         eos_token_ids: Sequence[int] | None = None,
         read_every: int = DEFAULT_READ_EVERY,
         capture: CaptureOptions | None = None,
+        speculate: Speculation | None = None,
     ) -> None:
         if not isinstance(model, Llama):
             raise TypeError(f"model must be a static_decode.Llama, got {type(model).__name__}")
@@ -89,6 +93,16 @@ class Generator:
             if i >= model.config.vocab_size:
                 raise ValueError(f"eos token id {i} is past the vocabulary ({model.config.vocab_size})")
         self.eos_token_ids = tuple(int(i) for i in eos)
+        if speculate is not None:
+            if not isinstance(speculate, PromptLookup | DraftModel):
+                raise TypeError(f"speculate must be a PromptLookup or a DraftModel, got {type(speculate).__name__}")
+            if model.tp.enabled:
+                raise ValueError("speculate is not supported on a tensor-parallel model")
+            if isinstance(speculate, DraftModel):
+                speculate.check_target(model)
+                speculate.model.check_max_len(self.max_len)
+        self.speculate = speculate
+        self.draft_cache: StaticKVCache | None = None  # a DraftModel's own cache, allocated with the target's
         self.cache: StaticKVCache | None = None
         self.bufs: StepBuffers | None = None
         self.runner: StepRunner = EagerRunner()  # compile=True: a capture.CompiledRunner once allocated
@@ -127,30 +141,50 @@ class Generator:
         m = self.model
         # Refuse a size the device cannot hold before anything is allocated: one ValueError in GiB instead of an
         # allocator traceback (or the OOM killer), and this generator keeps its current cache and buffers.
+        spec = self.speculate
+        draft = spec.model if isinstance(spec, DraftModel) else None
+        K = 0 if spec is None else spec.tokens
+        draft_vocab = m.config.vocab_size if draft is not None else 0
         need = generation_bytes(
-            m.config, batch, self.max_len, self.chunk_size, len(self.eos_token_ids), m.dtype, kv_heads=m.kv_heads
+            m.config, batch, self.max_len, self.chunk_size, len(self.eos_token_ids), m.dtype, kv_heads=m.kv_heads,
+            draft_tokens=K, draft_vocab=draft_vocab,
         )
+        if draft is not None:
+            need += cache_bytes(draft.config, batch, self.max_len, draft.dtype, kv_heads=draft.kv_heads)
         check_fits(need, m.device, "the KV cache and step buffers")
         close = getattr(self.runner, "close", None)
         if close is not None:  # compiled steps over the old cache would otherwise keep it alive (CUDA graphs)
             close()
-        self.runner, self.cache, self.bufs = EagerRunner(), None, None  # the old state goes before the new comes
+        # the old state goes before the new comes
+        self.runner, self.cache, self.bufs, self.draft_cache = EagerRunner(), None, None, None
         self.cache = m.new_cache(batch, self.max_len)
         self.bufs = StepBuffers.allocate(
             batch, self.chunk_size, self.max_len, m.config.hidden_size, len(self.eos_token_ids),
-            dtype=m.dtype, device=m.device,
+            dtype=m.dtype, device=m.device, draft_tokens=K, draft_vocab=draft_vocab,
         )
+        steps = dict(STEPS)
+        if spec is not None:
+            self.draft_cache = None if draft is None else draft.new_cache(batch, self.max_len)
+            steps.update(speculative_steps(spec, self.draft_cache))
+        self.runner = EagerRunner(steps)
         if self.compile:  # loaded here: the capture layer pulls in torch._dynamo, which eager use never needs
             from capture.runner import CompiledRunner
 
-            self.runner = CompiledRunner(m, self.cache, self.bufs, self.capture)
+            self.runner = CompiledRunner(
+                m, self.cache, self.bufs, self.capture, steps=steps, draft_cache=self.draft_cache
+            )
 
     # ---- requests ---------------------------------------------------------------------------------------
     def _check(self, prompt: object, max_new_tokens: int, **kw: object) -> Request:
         return check_request(
             prompt, max_new_tokens, **kw, vocab_size=self.model.config.vocab_size, max_len=self.max_len,
-            max_batch=self.fixed_batch,
+            max_batch=self.fixed_batch, draft_slots=self.draft_slots,
         )
+
+    @property
+    def draft_slots(self) -> int:
+        """Positions past a row's length that a verify step writes (K with speculation, else 0)."""
+        return 0 if self.speculate is None else self.speculate.tokens
 
     def generate(
         self,
@@ -210,8 +244,19 @@ class Generator:
             cache.reset()
             self.epoch += 1
         seed = self.model.tp.shared_random_bits(64) if req.seed is None else req.seed  # same on every rank
-        bufs.done.copy_(torch.from_numpy(np.arange(B) >= len(req.rows)))  # spare rows are done from the start
+        R = len(req.rows)
+        bufs.done.copy_(torch.from_numpy(np.arange(B) >= R))  # spare rows are done from the start
         bufs.step.zero_()
+        bufs.live_steps.zero_()
+        bufs.out.fill_(PAD)
+        bufs.limit.fill_(req.max_new_tokens)
+        plen = np.array([len(r) for r in req.rows] + [0] * (B - R), dtype=np.int64)
+        bufs.plen.copy_(torch.from_numpy(plen))
+        if self.speculate is not None:  # prompt lookup searches the prompt; a draft model reads nothing there
+            hist = np.zeros((B, int(plen.max())), dtype=np.int64)
+            for b, row in enumerate(req.rows):
+                hist[b, : len(row)] = row
+            bufs.hist[:, : hist.shape[1]].copy_(torch.from_numpy(hist))
         bufs.next.zero_()
         bufs.temperature.fill_(req.temperature)
         bufs.top_k.fill_(req.top_k or 0)
@@ -236,6 +281,8 @@ class Generator:
             read_len = self.read_len(int((cache.host_lens + n).max()))
             with ranges.range(ranges.PREFILL_CHUNK, ranges.COLORS["prefill"]):
                 self.step_fn("prefill", read_len)(self.model, cache, bufs, read_len)
+                if self.draft_cache is not None:
+                    self.step_fn("draft_prefill", read_len)(self.model, cache, bufs, read_len)
             cache.commit(n)
 
     def _run(self, req: Request, every: int, keep_cache: bool = False) -> Iterator[list[list[int]]]:
@@ -270,34 +317,121 @@ class Generator:
                 self._prefill(req.rows)
                 with sample_range:
                     self.step_fn("first_greedy" if req.greedy else "first", 0)(model, cache, bufs, 0)
-            longest = int(cache.host_lens.max())  # exact now; an upper bound from here on
-            read_from, steps = 0, 0
-            kind = "decode_greedy" if req.greedy else "decode"
-            while True:
-                if steps + 1 == max_new or steps % every == 0:
-                    piece = self._read_back(read_from, steps + 1, finished, emitted, eos)
-                    read_from = steps + 1
-                    if steps == 0:
-                        t1 = time.perf_counter()
-                    yield piece
-                    if steps + 1 == max_new or finished.all():
-                        break
-                steps += 1
-                read_len = self.read_len(longest + steps)
-                with torch.no_grad(), decode_range:
-                    self.step_fn(kind, read_len)(model, cache, bufs, read_len)
+            if self.speculate is not None:
+                piece = self._read_rows(1, finished, emitted, eos, max_new)
+                t1 = time.perf_counter()
+                yield piece
+                policy = SpeculationPolicy(self.speculate)
+                steps = yield from self._decode_speculative(req, every, policy, finished, emitted, eos)
+            else:
+                steps = 0
+                longest = int(cache.host_lens.max())  # exact now; an upper bound from here on
+                read_from = 0
+                kind = "decode_greedy" if req.greedy else "decode"
+                while True:
+                    if steps + 1 == max_new or steps % every == 0:
+                        piece = self._read_back(read_from, steps + 1, finished, emitted, eos)
+                        read_from = steps + 1
+                        if steps == 0:
+                            t1 = time.perf_counter()
+                        yield piece
+                        if steps + 1 == max_new or finished.all():
+                            break
+                    steps += 1
+                    read_len = self.read_len(longest + steps)
+                    with torch.no_grad(), decode_range:
+                        self.step_fn(kind, read_len)(model, cache, bufs, read_len)
+                policy = None
             t2 = time.perf_counter()
             # Each emitted token except a row's last was fed back: that is how far the device lengths moved.
             cache.commit(np.concatenate([emitted - 1, np.zeros(cache.batch - R, dtype=np.int64)]))
             complete = True
             self.stats = GenerationStats(
                 prompt_tokens=req.prompt_tokens, new_tokens=int(emitted.sum()), prefill_s=t1 - t0,
-                decode_s=t2 - t1, decode_steps=steps,
+                decode_s=t2 - t1, decode_steps=steps, verify_steps=0 if policy is None else policy.verify_steps,
+                accepted_per_step=0.0 if policy is None else policy.accepted_per_step,
             )
         finally:
             if not complete:  # abandoned or failed: leave a consistent, empty cache
                 cache.reset()
                 self.epoch += 1
+
+    def _decode_speculative(
+        self,
+        req: Request,
+        every: int,
+        policy: SpeculationPolicy,
+        finished: np.ndarray,
+        emitted: np.ndarray,
+        eos: set[int],
+    ) -> Gen[list[list[int]], None, int]:
+        """Decode with verify steps (plain steps while the policy pauses speculation); yield each read-back.
+
+        The host does not know how many tokens a verify step accepted until it reads back, so it keeps per row an
+        upper bound of the length (each verify step adds at most K + 1, a plain one 1; never past prompt +
+        max_new_tokens - 1) for the read length, and a lower bound of the emitted tokens (at least 1 per step
+        for a live row) to stop once every row must be finished. A read-back (every `every` steps, at a lower
+        bound reaching max_new_tokens, and at each change between verify and plain steps, so a window's tokens
+        belong to one kind) makes both exact again. Returns the steps launched.
+        """
+        cache, bufs, model, R, max_new = self.cache, self.bufs, self.model, len(req.rows), req.max_new_tokens
+        K = self.speculate.tokens
+        draft = self.draft_cache is not None
+        verify = "verify_greedy" if req.greedy else "verify"
+        plain = "decode_greedy" if req.greedy else "decode"
+        draft_kind = "draft_greedy" if req.greedy else "draft"
+        start = cache.host_lens[:R] - 1  # a row's device length is start + emitted (its last token is not fed)
+        cap = cache.host_lens[:R] + max_new - 1  # ... and never more than this
+        live_before = bufs.live_steps[:R].cpu().numpy().copy()  # at the last read-back (the first token's step counted)
+        total = 0
+        decode_range = ranges.range(ranges.DECODE_STEP, ranges.COLORS["decode"])
+        while not finished.all():
+            speculating = policy.speculate()
+            width = K + 1 if speculating else 1  # tokens a step may add per row
+            lens = start + emitted  # [R] exact at the read-back
+            left = ~finished
+            steps = 0
+            while steps < every and not (emitted[left] + steps >= max_new).all():
+                longest = int(np.minimum(lens + steps * width, cap)[left].max())
+                read_len = self.read_len(min(longest + width, self.max_len))
+                with torch.no_grad(), decode_range:
+                    if speculating:
+                        if draft:
+                            self.step_fn(draft_kind, read_len)(model, cache, bufs, read_len)
+                        self.step_fn(verify, read_len)(model, cache, bufs, read_len)
+                    else:
+                        if draft:
+                            self.step_fn("draft_follow", read_len)(model, cache, bufs, read_len)
+                        self.step_fn(plain, read_len)(model, cache, bufs, read_len)
+                steps += 1
+            total += steps
+            before = emitted.copy()
+            piece = self._read_rows(min(max_new, int(emitted.max()) + steps * width), finished, emitted, eos, max_new)
+            live_now = self.bufs.live_steps[:R].cpu().numpy().copy()  # on the CPU .cpu() is the buffer itself
+            if speculating:
+                policy.verify_steps += steps
+                policy.observe(int((emitted - before).sum()), int((live_now - live_before).sum()))
+            else:
+                policy.ran_plain(steps)
+            live_before = live_now
+            yield piece
+        return total
+
+    def _read_rows(
+        self, stop: int, finished: np.ndarray, emitted: np.ndarray, eos: set[int], max_new: int
+    ) -> list[list[int]]:
+        """Each row's tokens from out[b, emitted[b]:stop] (rows emit at their own pace: a verify step records
+        1..K+1 tokens per row); updates `finished` (EOS or max_new tokens) and `emitted`."""
+        lo = int(emitted.min())
+        block = self.bufs.out[: len(finished), lo:stop].cpu().numpy()  # the one sync per read
+        piece = []
+        for b, row in enumerate(block):
+            toks = [int(t) for t in row[emitted[b] - lo :] if t != PAD]
+            if (toks and toks[-1] in eos) or emitted[b] + len(toks) >= max_new:
+                finished[b] = True
+            emitted[b] += len(toks)
+            piece.append(toks)
+        return piece
 
     def _read_back(
         self, start: int, stop: int, finished: np.ndarray, emitted: np.ndarray, eos: set[int]

@@ -39,19 +39,31 @@ def cache_bytes(
     return 2 * per_tensor * _itemsize(dtype) + batch * INT64
 
 
-def buffer_bytes(batch: int, chunk_size: int, capacity: int, width: int, eos_slots: int, dtype: torch.dtype) -> int:
-    """Bytes of `StepBuffers.allocate(batch, chunk_size, capacity, width, eos_slots, dtype=dtype)`."""
+def buffer_bytes(
+    batch: int,
+    chunk_size: int,
+    capacity: int,
+    width: int,
+    eos_slots: int,
+    dtype: torch.dtype,
+    draft_tokens: int = 0,
+    draft_vocab: int = 0,
+) -> int:
+    """Bytes of `StepBuffers.allocate(batch, chunk_size, capacity, width, eos_slots, dtype=dtype,
+    draft_tokens=draft_tokens, draft_vocab=draft_vocab)`."""
     int64_elems = (
         batch * chunk_size  # chunk
         + batch  # n_new
         + batch  # next ([B, 1])
-        + batch * capacity  # out
-        + 1  # step
+        + 2 * batch * (capacity + 1)  # out and hist (each with its trash column)
+        + 4 * batch  # step, live_steps, limit, plen
         + batch  # top_k
         + batch  # seed
         + max(eos_slots, 1)  # eos (at least one entry, so the EOS test has a shape)
+        + batch * draft_tokens  # draft
     )
-    return int64_elems * INT64 + batch * width * _itemsize(dtype) + batch * BOOL + 2 * batch * FLOAT32
+    float32_elems = 2 * batch + batch * draft_tokens * draft_vocab  # temperature, top_p; draft_probs
+    return int64_elems * INT64 + batch * width * _itemsize(dtype) + batch * BOOL + float32_elems * FLOAT32
 
 
 def generation_bytes(
@@ -63,16 +75,18 @@ def generation_bytes(
     dtype: torch.dtype,
     *,
     kv_heads: int | None = None,
+    draft_tokens: int = 0,
+    draft_vocab: int = 0,
 ) -> int:
     """Device bytes a Generator allocates for `batch` rows of `max_len` tokens: the KV cache (with its one spare
-    position) plus the step buffers, whose output holds max_len tokens per row. Python ints: no overflow however
-    large max_len is."""
+    position) plus the step buffers, whose output holds max_len tokens per row (a draft model's own cache is
+    `cache_bytes` of its config, added by the caller). Python ints: no overflow however large max_len is."""
     batch = check_int("batch", batch, minimum=0)
     max_len = check_int("max_len", max_len, minimum=1)
     chunk_size = check_int("chunk_size", chunk_size, minimum=1)
     eos_slots = check_int("eos_slots", eos_slots, minimum=0)
     return cache_bytes(config, batch, max_len, dtype, kv_heads=kv_heads) + buffer_bytes(
-        batch, chunk_size, max_len, config.hidden_size, eos_slots, dtype
+        batch, chunk_size, max_len, config.hidden_size, eos_slots, dtype, draft_tokens, draft_vocab
     )
 
 

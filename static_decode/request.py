@@ -52,8 +52,12 @@ def check_request(
     vocab_size: int,
     max_len: int,
     max_batch: int | None = None,
+    draft_slots: int = 0,
 ) -> Request:
-    """The checked request, or a ValueError/TypeError naming the bad value (rows: at most `max_batch`)."""
+    """The checked request, or a ValueError/TypeError naming the bad value (rows: at most `max_batch`).
+
+    draft_slots: the draft tokens of a speculative verify step, which writes them past the row's length (so
+    prompt + max_new_tokens + draft_slots must fit in max_len)."""
     if not isinstance(prompt, Sequence | np.ndarray) or isinstance(prompt, str | bytes | bytearray) or not len(prompt):
         raise ValueError(f"prompt must be a non-empty list of token ids or of such lists, got {prompt!r}")
     single = all(_is_id(t) for t in prompt)
@@ -65,10 +69,11 @@ def check_request(
         for t in row:
             if not _is_id(t) or not 0 <= t < vocab_size:
                 raise ValueError(f"prompt row {b} holds {t!r}; token ids must be ints in 0..{vocab_size - 1}")
-        if len(row) + max_new > max_len:
+        if len(row) + max_new + draft_slots > max_len:
+            drafts = f" and {draft_slots} draft slots of speculation" if draft_slots else ""
             raise ValueError(
-                f"prompt row {b} has {len(row)} tokens; with max_new_tokens={max_new} that needs "
-                f"{len(row) + max_new} > max_len={max_len} positions"
+                f"prompt row {b} has {len(row)} tokens; with max_new_tokens={max_new}{drafts} that needs "
+                f"{len(row) + max_new + draft_slots} > max_len={max_len} positions"
             )
     if max_batch is not None and len(rows) > max_batch:
         raise ValueError(f"the request has {len(rows)} rows, this generator was built for batch={max_batch}")

@@ -17,6 +17,7 @@ top-k and top-p are ignored (as transformers' do_sample=False ignores them).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 MASK32 = 0xFFFFFFFF
 # lowbias32 (C. Wellons' hash-prospector): a 32-bit mixer with good avalanche. Both constants are split into
@@ -58,7 +59,8 @@ def row_seed(seed: int, row: int) -> int:
 
 
 def uniform(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] float32 uniforms in (0, 1) hashed from (seed[b], step, v); seed [B] int64 < 2**32, step []."""
+    """[B, V] float32 uniforms in (0, 1) hashed from (seed[b], step[b], v); seed [B] int64 < 2**32, step [] or
+    [B] int64 (each row's own counter)."""
     v = torch.arange(vocab, device=seed.device, dtype=torch.int64)  # [V]
     key = mix32(seed ^ (step & MASK32))  # [B]
     key2 = mix32(key ^ SEED_SALT)  # [B]
@@ -79,7 +81,7 @@ def sample(
     seed: torch.Tensor,
     step: torch.Tensor,
 ) -> torch.Tensor:
-    """[B] token ids from logits [B, V]; per-row temperature/top_k/top_p/seed [B]; step [] int64 (device).
+    """[B] token ids from logits [B, V]; per-row temperature/top_k/top_p/seed [B]; step [] or [B] int64 (device).
 
     Fixed shapes, no host reads. Rows with temperature 0 take the argmax.
     """
@@ -101,3 +103,32 @@ def sample(
     score = ordered - torch.log(-torch.log(noise))  # logits/T - log E, E = -log U ~ Exp(1)
     picked = order.gather(1, score.argmax(dim=-1, keepdim=True)).squeeze(1)  # [B]
     return torch.where(hot, picked, greedy(logits))
+
+
+def probabilities(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """[B, V] float32: the distribution `sample` draws from (temperature, then top-k, then top-p, renormalised),
+    in vocabulary order. Rows with temperature 0 get the one-hot of their argmax (what `sample` returns there).
+    Speculative sampling needs the distribution itself, not a draw: it accepts a draft token with probability
+    p(token) / q(token) and otherwise draws from the residual max(0, p - q)."""
+    B, V = logits.shape
+    logits = logits.to(torch.float32)
+    hot = temperature > 0  # [B]
+    scaled = logits / torch.where(hot, temperature, 1.0)[:, None]  # [B, V]
+    ordered, order = scaled.sort(dim=-1, descending=True)  # [B, V] each
+    rank = torch.arange(V, device=logits.device)  # [V]
+    ordered = ordered.masked_fill((top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None]), -torch.inf)
+    probs = ordered.softmax(dim=-1)  # [B, V]
+    before = probs.cumsum(dim=-1) - probs  # [B, V]
+    ordered = ordered.masked_fill((top_p[:, None] < 1) & (before >= top_p[:, None]), -torch.inf)
+    kept = torch.empty_like(ordered).scatter_(1, order, ordered.softmax(dim=-1))  # [B, V] back in id order
+    onehot = F.one_hot(greedy(logits), V).to(torch.float32)  # [B, V]
+    return torch.where(hot[:, None], kept, onehot)
+
+
+def draw(probs: torch.Tensor, seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """[B] ids drawn from the rows of probs [B, V] (unnormalised is fine; zeros are never drawn) by the
+    exponential race keyed by (seed[b], step[b]). An all-zero row returns id 0."""
+    noise = uniform(seed, step, probs.shape[-1])  # [B, V]
+    return (torch.log(probs) - torch.log(-torch.log(noise))).argmax(dim=-1)

@@ -13,7 +13,9 @@ class GenerationStats:
     new_tokens: int  # emitted tokens over all rows (EOS included)
     prefill_s: float  # from the request's start to the first token back on the host
     decode_s: float  # from then to the last token back on the host
-    decode_steps: int  # decode steps launched (each emits one token per live row)
+    decode_steps: int  # decode steps launched (plain ones emit one token per live row, verify steps 1..K+1)
+    verify_steps: int = 0  # of which speculative verify steps
+    accepted_per_step: float = 0.0  # mean tokens per live row and verify step (0 without speculation)
 
     @property
     def ms_per_step(self) -> float:
@@ -25,8 +27,13 @@ class GenerationStats:
         return self.new_tokens / total if total > 0 else 0.0
 
     def summary(self) -> str:
+        spec = (
+            f", {self.verify_steps} verify steps at {self.accepted_per_step:.2f} tokens per step"
+            if self.verify_steps else ""
+        )
         return (
             f"prefill {1e3 * self.prefill_s:.1f} ms ({self.prompt_tokens} tokens), "
-            f"{self.ms_per_step:.2f} ms per decoded token ({self.decode_steps} steps), "
+            f"{self.ms_per_step:.2f} ms per {'decode step' if spec else 'decoded token'} "
+            f"({self.decode_steps} steps{spec}), "
             f"{self.tokens_per_s:.1f} tokens/s ({self.new_tokens} new tokens)"
         )

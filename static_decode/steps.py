@@ -3,14 +3,17 @@
 Every step has the signature `fn(model, cache, bufs, read_len) -> None`: fixed shapes, one Python int
 (`read_len`), no host reads, results written in place into `bufs` (so a CUDA-graph replay overwriting its
 outputs can lose nothing). The capture layer compiles these functions unchanged, one graph per
-(kind, read bucket); `STEPS` maps each kind to its function.
+(kind, read bucket); `STEPS` maps each kind to its function (static_decode.verify adds the speculative kinds).
 
 One request runs: `prefill` once per chunk of the prompts, then `first` (or `first_greedy`), then `decode`
 (or `decode_greedy`) once per further token. The greedy kinds skip the sort and the noise; the host picks
 them when every row of the request has temperature 0.
 
-Token i of a row is written to out[b, i] by the step whose `bufs.step` counter is i. A row that emitted an EOS
-id is `done`: later steps feed it nothing (n_new = 0, so its cache row and length stay put) and write PAD.
+Each row counts its own emitted tokens (`bufs.step[b]`): token i of row b is written to out[b, i] and to
+hist[b, plen[b] + i] (hist holds the request's prompt, then its output: what prompt lookup searches). A step
+may emit several tokens per row (a speculative verify step) or none (a row that is done), so the rows' counters
+drift apart. A row that emitted an EOS id, or its `limit` of tokens, is `done`: later steps feed it nothing
+(n_new = 0, so its cache row and length stay put) and write only to the trash column past the output.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from static_decode import sampling
 from static_decode.cache import StaticKVCache
 from static_decode.model import Llama
 
-PAD = -1  # written to out[b, i] for rows already done; never a token id
+PAD = -1  # out[b, i] past row b's last token (the host fills `out` with it per request); never a token id
 
 
 @dataclass
@@ -33,7 +36,10 @@ class StepBuffers:
     """Static device buffers of one Generator (allocated once; the host only fills them).
 
     B is the cache's batch (rows past a request's batch are kept `done` and fed nothing), C the chunk size,
-    N the output capacity, D the model width, E the number of EOS ids (at least 1; -1 entries match nothing).
+    N the output capacity (max_len), D the model width, E the number of EOS ids (at least 1; -1 entries match
+    nothing), K the draft tokens of a speculative verify step (0 without speculation), Q the vocabulary of a draft
+    model's probabilities (0 unless a draft model samples). `out` and `hist` have one column more than they can
+    fill: masked writes of a fixed-shape step land there (column N), and the host never reads it.
     """
 
     chunk: torch.Tensor  # [B, C] int64 prompt chunk, padded with id 0 past n_new
@@ -41,8 +47,14 @@ class StepBuffers:
     hidden: torch.Tensor  # [B, D] model dtype: final-normed hidden state of each row's last prompt token
     next: torch.Tensor  # [B, 1] int64 the token each row feeds at the next decode step
     done: torch.Tensor  # [B] bool the row emitted EOS (or is not part of the request)
-    out: torch.Tensor  # [B, N] int64 emitted tokens, PAD where a row was already done
-    step: torch.Tensor  # [] int64 index of the token the next first/decode step emits
+    out: torch.Tensor  # [B, N + 1] int64 emitted tokens, PAD past each row's last (column N: trash)
+    step: torch.Tensor  # [B] int64 tokens each row has emitted (the index of its next one)
+    live_steps: torch.Tensor  # [B] int64 emitting steps in which the row recorded a token (tokens per step)
+    limit: torch.Tensor  # [B] int64 tokens a row may emit (max_new_tokens): it is done once it has
+    hist: torch.Tensor  # [B, N + 1] int64 the request's prompt then its output (column N: trash)
+    plen: torch.Tensor  # [B] int64 prompt tokens of each row in `hist`
+    draft: torch.Tensor  # [B, K] int64 the draft tokens a verify step checks
+    draft_probs: torch.Tensor  # [B, K, Q] float32 a sampling draft model's probabilities for each draft slot
     temperature: torch.Tensor  # [B] float32, 0 = greedy
     top_k: torch.Tensor  # [B] int64, <= 0 = off
     top_p: torch.Tensor  # [B] float32, >= 1 = off
@@ -60,6 +72,8 @@ class StepBuffers:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        draft_tokens: int = 0,
+        draft_vocab: int = 0,
     ) -> StepBuffers:
         def z(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dt, device=device)
@@ -70,8 +84,14 @@ class StepBuffers:
             hidden=z(batch, width, dt=dtype),
             next=z(batch, 1),
             done=z(batch, dt=torch.bool),
-            out=z(batch, capacity),
-            step=z(),
+            out=z(batch, capacity + 1),
+            step=z(batch),
+            live_steps=z(batch),
+            limit=z(batch) + capacity,  # no limit until a request sets one (raw step callers, warm-up)
+            hist=z(batch, capacity + 1),
+            plen=z(batch),
+            draft=z(batch, draft_tokens),
+            draft_probs=z(batch, draft_tokens, draft_vocab, dt=torch.float32),
             temperature=z(batch, dt=torch.float32),
             top_k=z(batch),
             top_p=z(batch, dt=torch.float32),
@@ -93,17 +113,40 @@ def prefill_chunk(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_le
     bufs.hidden.copy_(torch.where(bufs.n_new[:, None] > 0, h_last, bufs.hidden))
 
 
+def emit(bufs: StepBuffers, tokens: torch.Tensor, count: torch.Tensor) -> None:
+    """Record the first count[b] <= T of tokens [B, T] for each row b: out, hist, next, done, step.
+
+    count is what the step accepted (done rows: 0). A row stops early at an EOS among them or at its `limit`, so
+    it may record fewer; `count` is lowered in place to what was recorded (the caller rolls the cache back by it).
+    """
+    B, T = tokens.shape
+    N = bufs.out.shape[1] - 1  # the trash column
+    t = torch.arange(T, device=tokens.device)  # [T]
+    is_eos = (tokens[:, :, None] == bufs.eos[None, None, :]).any(dim=-1)  # [B, T]
+    # The first EOS among the accepted tokens ends the row after it; so does the limit.
+    first_eos = torch.where(is_eos & (t[None, :] < count[:, None]), t[None, :], T).amin(dim=-1)  # [B]
+    n = torch.minimum(torch.minimum(count, first_eos + 1), bufs.limit - bufs.step)  # [B]
+    n = torch.where(bufs.done, 0, n)
+    keep = t[None, :] < n[:, None]  # [B, T]
+    pos = bufs.step[:, None] + t[None, :]  # [B, T]
+    bufs.out.scatter_(1, torch.where(keep, pos, N), tokens)
+    bufs.hist.scatter_(1, torch.where(keep, bufs.plen[:, None] + pos, N), tokens)
+    last = tokens.gather(1, (n - 1).clamp(min=0)[:, None])  # [B, 1]
+    bufs.next.copy_(torch.where(n[:, None] > 0, last, bufs.next))  # done rows keep a valid id
+    bufs.step.add_(n)
+    bufs.live_steps.add_((n > 0).to(torch.int64))
+    ended = (is_eos & (t[None, :] < n[:, None])).any(dim=-1) | (bufs.step >= bufs.limit)  # [B]
+    bufs.done.copy_(bufs.done | ended)
+    count.copy_(n)
+
+
 def _emit(bufs: StepBuffers, token: torch.Tensor) -> None:
-    """Record the token [B] chosen at step `bufs.step`: out, next, done, and the counter."""
-    was_done = bufs.done
-    index = bufs.step.view(1, 1).expand(token.shape[0], 1)  # [B, 1] device index, no host int
-    bufs.out.scatter_(1, index, torch.where(was_done, PAD, token)[:, None])
-    bufs.next.copy_(torch.where(was_done[:, None], bufs.next, token[:, None]))  # done rows keep a valid id
-    bufs.done.copy_(was_done | (token[:, None] == bufs.eos[None, :]).any(dim=-1))
-    bufs.step.add_(1)
+    """Record one token [B] per live row."""
+    emit(bufs, token[:, None], (~bufs.done).to(torch.int64))
 
 
 def _choose(logits: torch.Tensor, bufs: StepBuffers) -> torch.Tensor:
+    """[B] tokens sampled from logits [B, V]; row b's draw is keyed by (seed[b], step[b])."""
     return sampling.sample(logits, bufs.temperature, bufs.top_k, bufs.top_p, bufs.seed, bufs.step)
 
 
@@ -161,13 +204,16 @@ class StepRunner(Protocol):
 
 
 class EagerRunner:
-    """The uncompiled steps, each reading exactly the live length."""
+    """The uncompiled steps (`steps`: kind -> function, default STEPS), each reading exactly the live length."""
+
+    def __init__(self, steps: dict[str, StepFn] | None = None) -> None:
+        self.steps = dict(STEPS if steps is None else steps)
 
     def read_len(self, longest: int) -> int:
         return longest
 
     def step(self, kind: str, read_len: int) -> StepFn:
         try:
-            return STEPS[kind]
+            return self.steps[kind]
         except KeyError:
-            raise KeyError(f"no step kind {kind!r}; the kinds are {tuple(STEPS)}") from None
+            raise KeyError(f"no step kind {kind!r}; the kinds are {tuple(self.steps)}") from None
