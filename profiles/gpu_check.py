@@ -224,6 +224,7 @@ def time_decode(gen: Generator, live: int, steps: int, read_len: int | None, tim
         cache.host_lens[:] = live
         bufs.done.zero_()
         bufs.step.zero_()
+        bufs.limit.fill_(steps)  # rows stay live for the whole run (a request's max_new_tokens would end them)
         bufs.next.fill_(1)
 
     def run_all() -> None:

@@ -206,6 +206,13 @@ def _draft_model(spec: DraftModel, dcache: StaticKVCache) -> dict[str, StepFn]:
     }
 
 
+def speculative_kinds(spec: Speculation, greedy: bool) -> tuple[str, ...]:
+    """The kinds a request with `spec` launches beyond the plain ones (which run while speculation pauses)."""
+    if isinstance(spec, PromptLookup):
+        return ("verify_greedy",) if greedy else ("verify",)
+    return ("draft_prefill", "draft_follow") + (("draft_greedy", "verify_greedy") if greedy else ("draft", "verify"))
+
+
 def speculative_steps(spec: Speculation, draft_cache: StaticKVCache | None = None) -> dict[str, StepFn]:
     """The step kinds a Generator adds for `spec` (a draft model needs its cache, `draft_cache`)."""
     if isinstance(spec, PromptLookup):

@@ -116,6 +116,34 @@ def test_user_errors_exit_2_with_a_message(plain, tmp_path, capsys):
     assert info.value.code == 2 and "comma-separated" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("how", [["--speculate", "prompt-lookup:3:2"], ["--draft-model", "SELF"],
+                                 ["--speculate", "draft:2", "--draft-model", "SELF"]])
+def test_generate_with_speculation_prints_the_plain_tokens(plain, capsys, how):
+    argv = [str(plain) if a == "SELF" else a for a in how]
+    rc, out, err = run(capsys, "generate", "--model", str(plain), "--prompt-ids", "3,1,4,1,3,1,4", "--max-new-tokens",
+                       "16", "--device", "cpu", *argv)
+    assert rc == 0, err
+    expected = Generator(load_model(plain), max_len=40).generate([3, 1, 4, 1, 3, 1, 4], 16)
+    assert out.splitlines()[1] == "new ids: " + " ".join(map(str, expected))
+    assert "verify steps at" in err and "tokens per step" in err
+
+
+def test_speculation_argument_errors(plain, capsys):
+    base = ["generate", "--model", str(plain), "--prompt-ids", "1,2", "--device", "cpu"]
+    for extra, word in [
+        (["--speculate", "draft"], "--draft-model"),
+        (["--speculate", "prompt-lookup", "--draft-model", str(plain)], "--draft-model goes with"),
+        (["--speculate", "prompt-lookup:0"], "tokens must be"),
+        (["--draft-model", str(plain / "nope")], "no checkpoint"),
+    ]:
+        rc, _, err = run(capsys, *base, *extra)
+        assert rc == 2 and word in err and "Traceback" not in err, (extra, err)
+    for bad in ("lookup", "prompt-lookup:x", "draft:1:2", "prompt-lookup:1:2:3"):
+        with pytest.raises(SystemExit):
+            cli.main([*base, "--speculate", bad])
+        assert "prompt-lookup[:TOKENS[:NGRAM]]" in capsys.readouterr().err
+
+
 def test_compile_flag_is_boolean_optional():
     parser = cli.build_parser()
     assert parser.parse_args(["generate", "--compile"]).compile is True

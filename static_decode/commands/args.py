@@ -6,7 +6,9 @@ import argparse
 from typing import TYPE_CHECKING
 
 from capture.settings import CaptureOptions
+from static_decode.speculation import DEFAULT_NGRAM, DEFAULT_TOKENS, Speculation
 from static_decode.steps import GREEDY_KINDS, SAMPLED_KINDS
+from static_decode.verify import speculative_kinds
 
 if TYPE_CHECKING:
     import torch
@@ -23,12 +25,33 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def capture_options(compile: bool, temperature: float) -> CaptureOptions | None:
+def capture_options(compile: bool, temperature: float, speculate: Speculation | None = None) -> CaptureOptions | None:
     """compile=True: capture only the kinds a request at this temperature runs (the sampling kinds compile slowly
-    on the CPU); None otherwise."""
+    on the CPU), with the speculative ones of `speculate`; None otherwise."""
     if not compile:
         return None
-    return CaptureOptions(kinds=GREEDY_KINDS if temperature == 0 else SAMPLED_KINDS)
+    greedy = temperature == 0
+    kinds = GREEDY_KINDS if greedy else SAMPLED_KINDS
+    if speculate is not None:
+        kinds = kinds + speculative_kinds(speculate, greedy)
+    return CaptureOptions(kinds=kinds)
+
+
+SPECULATE_FORMS = "prompt-lookup[:TOKENS[:NGRAM]] or draft[:TOKENS] (with --draft-model)"
+
+
+def speculate_arg(text: str) -> tuple[str, int, int]:
+    """--speculate: ("prompt-lookup", tokens, ngram) or ("draft", tokens, 0), e.g. "prompt-lookup:8:2"."""
+    name, *nums = text.split(":")
+    try:
+        values = [int(n) for n in nums]
+    except ValueError:
+        values = None
+    if name not in ("prompt-lookup", "draft") or values is None or len(values) > (2 if name == "prompt-lookup" else 1):
+        raise argparse.ArgumentTypeError(f"expected {SPECULATE_FORMS}, got {text!r}")
+    tokens = values[0] if values else DEFAULT_TOKENS
+    ngram = values[1] if len(values) > 1 else DEFAULT_NGRAM if name == "prompt-lookup" else 0
+    return name, tokens, ngram
 
 
 def name_list(text: str) -> tuple[str, ...]:
