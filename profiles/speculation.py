@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             if not r["same"]:
                 raise SystemExit(f"{sname} on {pname}: output differs from plain decode")
         results[pname] = {"prompt_tokens": len(prompt), "new_tokens": len(want), "systems": rows}
+        print(table({"prompts": {pname: results[pname]}, "bare_step_ms": {}}), flush=True)  # kept if a later part fails
 
     costs = {}
     length = len(prompts["edit"]) + 64

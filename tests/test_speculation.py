@@ -272,3 +272,15 @@ def test_bad_arguments_are_refused(models, tmp_path):
     small_vocab = load_model(save(hf_llama(seed=3, vocab=64), tmp_path / "v64"))
     with pytest.raises(ValueError, match=r"vocabulary \(64\) differs from the target's \(96\)"):
         Generator(target, max_len=32, speculate=DraftModel(small_vocab))
+
+
+def test_a_long_row_done_early_beside_a_short_live_row(models):
+    """The host bounds the read length by the live rows only: a long row that hit EOS may hold more tokens than
+    the read length of the short row's later steps (the lookup must not index past what it reads)."""
+    target = models[0]
+    rows = [[(7 * i) % VOCAB for i in range(60)], [40, 41]]
+    eos = plain(target, [rows[0]], 3)[0][0]  # the long row ends at its first token
+    want = plain(target, rows, 20, eos=[eos])
+    assert len(want[0]) == 1 and len(want[1]) > 10
+    gen = Generator(target, max_len=96, chunk_size=8, eos_token_ids=[eos], speculate=PromptLookup(tokens=4, ngram=1))
+    assert gen.generate(rows, 20) == want

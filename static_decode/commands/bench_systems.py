@@ -10,6 +10,9 @@ EOS never stops a request (every system emits exactly new_tokens), so every requ
 
 * `static-decode`: `Generator(compile=True)`: the default read ladder and the default compile settings of
   capture/ (CPU: inductor's C++ wrapper; CUDA: CUDA graphs), every greedy (kind, bucket) compiled in setup.
+* `static-decode-lookup`: the same with speculative decoding by prompt lookup (`PromptLookup()`: 4 draft tokens
+  from the last 3-gram's earlier occurrence, the default fallback policy); the bench prompt is source code, so
+  the continuation can quote it. Its cache has 4 more positions (the drafts of the last verify step).
 * `static-decode-eager`: `Generator(compile=False)` (reads exactly the live length).
 * `full-read`: the same compiled steps with a one-rung ladder [max_len]: every step reads the whole cache,
   as gpt-fast and transformers' StaticCache do.
@@ -41,9 +44,12 @@ from capture.buckets import BucketLadder
 from capture.settings import CaptureOptions
 from static_decode.generator import Generator
 from static_decode.model import Llama
+from static_decode.speculation import PromptLookup
 from static_decode.steps import GREEDY_KINDS
+from static_decode.verify import speculative_kinds
 
-SYSTEMS = ("static-decode", "static-decode-eager", "full-read", "concat", "transformers", "llama.cpp")
+SYSTEMS = ("static-decode", "static-decode-lookup", "static-decode-eager", "full-read", "concat", "transformers",
+           "llama.cpp")
 TP_SYSTEMS = ("static-decode", "static-decode-eager", "full-read")  # the ones that run a tensor-parallel shard
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"  # only in a source checkout
 
@@ -77,11 +83,17 @@ class GeneratorSystem:
             self.gen = Generator(model, max_len=max_len, batch=1)
             self.mode = "eager, reads the live length"
             return
+        spec = PromptLookup() if name == "static-decode-lookup" else None
+        kinds = GREEDY_KINDS if spec is None else (*GREEDY_KINDS, *speculative_kinds(spec, greedy=True))
+        if spec is not None:
+            max_len += spec.tokens  # the last verify step writes its drafts past the longest request
         ladder = BucketLadder.of([max_len] if name == "full-read" else None, max_len)
-        opts = CaptureOptions(buckets=ladder, settings=settings, kinds=GREEDY_KINDS, progress=False)
-        self.gen = Generator(model, max_len=max_len, batch=1, compile=True, capture=opts)
+        opts = CaptureOptions(buckets=ladder, settings=settings, kinds=kinds, progress=False)
+        self.gen = Generator(model, max_len=max_len, batch=1, compile=True, capture=opts, speculate=spec)
         rungs = ",".join(map(str, ladder.lengths))
         self.mode = f"compiled ({self.gen.runner.settings.describe()}), reads rungs [{rungs}]"
+        if spec is not None:
+            self.mode += f", prompt lookup ({spec.tokens} drafts, {spec.ngram}-gram, adaptive)"
         self._stream = None
 
     def start(self, prompt: list[int], new_tokens: int) -> None:
@@ -255,7 +267,7 @@ def build(
     gguf: Path | None = None, threads: int = 1,
 ) -> tuple[System | None, str]:
     """The system called `name`, or (None, why it is skipped). `gguf` and `threads`: the llama.cpp system's."""
-    if name in ("static-decode", "static-decode-eager", "full-read"):
+    if name in ("static-decode", "static-decode-lookup", "static-decode-eager", "full-read"):
         return GeneratorSystem(name, model, max_len, settings), ""
     if name == "concat":
         baselines = load_profiles_module("baselines")
