@@ -34,7 +34,7 @@ from static_decode.checks import check_int
 from static_decode.memory import cache_bytes, check_fits, generation_bytes
 from static_decode.model import Llama
 from static_decode.request import Request, check_request
-from static_decode.speculation import DraftModel, PromptLookup, Speculation, SpeculationPolicy
+from static_decode.speculation import DraftModel, NgramIndex, PromptLookup, Speculation, SpeculationPolicy
 from static_decode.stats import GenerationStats
 from static_decode.steps import PAD, STEPS, EagerRunner, StepBuffers, StepFn, StepRunner
 from static_decode.verify import speculative_steps
@@ -385,8 +385,19 @@ class Generator:
         live_before = bufs.live_steps[:R].cpu().numpy().copy()  # at the last read-back (the first token's step counted)
         total = 0
         decode_range = ranges.range(ranges.DECODE_STEP, ranges.COLORS["decode"])
+        spec = self.speculate
+        skip = isinstance(spec, PromptLookup) and (
+            spec.skip_unmatched if spec.skip_unmatched is not None else cache.device.type == "cpu"
+        )
+        index = None
+        if skip:  # the host's copy of each row's text: read back after every step (free on the CPU)
+            every = 1
+            tail = self.bufs.out[:R, 0].cpu().tolist()  # token 0 of each row (read already: no new sync on the CPU)
+            index = [NgramIndex(spec.ngram, [*row, tail[b]]) for b, row in enumerate(req.rows)]
         while not finished.all():
             speculating = policy.speculate()
+            if index is not None and speculating:
+                speculating = any(index[b].matched() for b in range(R) if not finished[b])
             width = K + 1 if speculating else 1  # tokens a step may add per row
             lens = start + emitted  # [R] exact at the read-back
             left = ~finished
@@ -414,6 +425,9 @@ class Generator:
             else:
                 policy.ran_plain(steps)
             live_before = live_now
+            if index is not None:
+                for b, toks in enumerate(piece):
+                    index[b].extend(toks)
             yield piece
         return total
 

@@ -45,16 +45,26 @@ def _check_policy(tokens: object, min_tokens_per_step: object, pause_steps: obje
 @dataclass(frozen=True)
 class PromptLookup:
     """Draft the `tokens` that followed the most recent earlier occurrence of the last `ngram` tokens of
-    prompt + output (searched on the device each step). Pays on input-grounded output: edits, quotes, code."""
+    prompt + output (searched on the device each step). Pays on input-grounded output: edits, quotes, code.
+
+    skip_unmatched: the host reads the tokens back after every step and launches a plain decode step instead of
+    a verify step when no live row's last n-gram occurred before (a verify step would then yield one token at
+    the price of K + 1 slots). None: on the CPU only, where that read-back costs nothing (a CPU step has run
+    when its call returns) and a 5-slot step costs ~1.6x a 1-slot one; on a GPU every step stays a verify step
+    (about the price of a plain one) and reads stay batched.
+    """
 
     tokens: int = DEFAULT_TOKENS
     ngram: int = DEFAULT_NGRAM
     min_tokens_per_step: float = DEFAULT_MIN_TOKENS_PER_STEP
     pause_steps: int = DEFAULT_PAUSE_STEPS
+    skip_unmatched: bool | None = None
 
     def __post_init__(self) -> None:
         _check_policy(self.tokens, self.min_tokens_per_step, self.pause_steps)
         check_int("ngram", self.ngram, minimum=1)
+        if self.skip_unmatched is not None and not isinstance(self.skip_unmatched, bool):
+            raise TypeError(f"skip_unmatched must be a bool or None, got {self.skip_unmatched!r}")
 
 
 @dataclass(frozen=True)
@@ -86,19 +96,42 @@ class DraftModel:
 Speculation = PromptLookup | DraftModel
 
 
+class NgramIndex:
+    """The host's copy of one row's text for `PromptLookup.skip_unmatched`: whether the last n tokens occurred
+    earlier with a token after them (the device lookup's rule), in O(n) per token."""
+
+    def __init__(self, ngram: int, tokens: list[int]) -> None:
+        self.n = ngram
+        self.tokens: list[int] = []
+        self.seen: set[tuple[int, ...]] = set()  # every n-gram that has a token after it
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        n = self.n
+        for t in tokens:
+            self.tokens.append(t)
+            if len(self.tokens) > n:
+                self.seen.add(tuple(self.tokens[-n - 1 : -1]))
+
+    def matched(self) -> bool:
+        return len(self.tokens) >= self.n and tuple(self.tokens[-self.n :]) in self.seen
+
+
 class SpeculationPolicy:
     """The host's choice between verify steps and plain decode steps, from read-back token counts only.
 
-    Speculate until a window of verify steps yields fewer than `min_tokens_per_step` tokens per live row and
-    step; then run `pause_steps` plain steps; then try a window of verify steps again.
+    Speculate until `window` live row-steps of verify yield fewer than `min_tokens_per_step` tokens per row and
+    step; then run `pause_steps` plain steps; then try again.
     """
 
-    def __init__(self, spec: Speculation) -> None:
+    def __init__(self, spec: Speculation, window: int = 16) -> None:
         self.spec = spec
+        self.window = check_int("window", window, minimum=1)
         self.plain_left = 0  # plain steps still to run before speculating again
         self.verify_steps = 0  # verify steps launched
         self.verify_row_steps = 0  # (row, verify step) pairs where the row was live
         self.verify_tokens = 0  # tokens those emitted
+        self._tokens, self._row_steps = 0, 0  # the window being filled
 
     def speculate(self) -> bool:
         """Whether the next step is a verify step."""
@@ -108,11 +141,15 @@ class SpeculationPolicy:
         self.plain_left = max(0, self.plain_left - steps)
 
     def observe(self, tokens: int, row_steps: int) -> None:
-        """A window of verify steps since the last read-back emitted `tokens` over `row_steps` live row-steps."""
+        """The verify steps since the last read-back emitted `tokens` over `row_steps` live row-steps."""
         self.verify_tokens += tokens
         self.verify_row_steps += row_steps
-        if row_steps and tokens < self.spec.min_tokens_per_step * row_steps:
-            self.plain_left = self.spec.pause_steps
+        self._tokens += tokens
+        self._row_steps += row_steps
+        if self._row_steps >= self.window:
+            if self._tokens < self.spec.min_tokens_per_step * self._row_steps:
+                self.plain_left = self.spec.pause_steps
+            self._tokens, self._row_steps = 0, 0
 
     @property
     def accepted_per_step(self) -> float:

@@ -17,7 +17,7 @@ import torch
 
 from capture import CaptureOptions
 from static_decode import Conversation, DraftModel, Generator, PromptLookup, load_model
-from static_decode.speculation import SpeculationPolicy
+from static_decode.speculation import NgramIndex, SpeculationPolicy
 from static_decode.verify import lookup_draft, sampled_accept
 from tests.checkpoints import VOCAB, hf_llama, save
 
@@ -38,14 +38,15 @@ def plain(model, prompts, n, **kw):
 def specs(models):
     target, other = models
     return {
-        "lookup": PromptLookup(tokens=4, ngram=2, min_tokens_per_step=0),
-        "lookup-k1-n3": PromptLookup(tokens=1, ngram=3, min_tokens_per_step=0),
+        "lookup": PromptLookup(tokens=4, ngram=2, min_tokens_per_step=0, skip_unmatched=False),
+        "lookup-k1-n3": PromptLookup(tokens=1, ngram=3, min_tokens_per_step=0, skip_unmatched=False),
+        "lookup-skip": PromptLookup(tokens=4, ngram=2, min_tokens_per_step=0, skip_unmatched=True),
         "draft-self": DraftModel(target, tokens=3, min_tokens_per_step=0),
         "draft-other": DraftModel(other, tokens=4, min_tokens_per_step=0),
     }
 
 
-@pytest.mark.parametrize("name", ["lookup", "lookup-k1-n3", "draft-self", "draft-other"])
+@pytest.mark.parametrize("name", ["lookup", "lookup-k1-n3", "lookup-skip", "draft-self", "draft-other"])
 def test_greedy_equals_plain_for_ragged_batches(models, name):
     target = models[0]
     spec = specs(models)[name]
@@ -108,6 +109,14 @@ def test_every_verify_step_reads_past_its_drafts(models):
     assert seen and min(seen) >= 4 + 1
 
 
+def ref_lookup_start(hist: list[int], n: int) -> int | None:
+    L = len(hist)
+    for j in range(L - n - 1, -1, -1):
+        if hist[j : j + n] == hist[L - n :]:
+            return j
+    return None
+
+
 def ref_lookup(hist: list[int], K: int, n: int) -> list[int]:
     """Prompt lookup in plain Python: the most recent earlier occurrence of the last n tokens, continued
     periodically past the known text; no match: the last token repeated."""
@@ -129,6 +138,28 @@ def test_device_prompt_lookup_equals_the_python_one():
         got = lookup_draft(torch.from_numpy(hist), torch.from_numpy(lens), int(lens.max()) + K, K, n)
         for b in range(B):
             assert got[b].tolist() == ref_lookup(hist[b, : lens[b]].tolist(), K, n), (trial, b)
+
+
+def test_host_ngram_index_agrees_with_the_device_lookup():
+    """skip_unmatched's host check says "matched" exactly where the device lookup finds an earlier occurrence."""
+    rng = np.random.default_rng(1)
+    for trial in range(100):
+        n = int(rng.integers(1, 4))
+        text = rng.integers(0, 3, size=int(rng.integers(1, 30))).tolist()
+        index = NgramIndex(n, text[:1])
+        for L in range(1, len(text) + 1):
+            assert index.matched() == (ref_lookup_start(text[:L], n) is not None), (trial, L)
+            index.extend(text[L : L + 1])
+
+
+def test_skip_unmatched_launches_plain_steps_where_nothing_matches(models):
+    target = models[0]
+    want = plain(target, PROMPTS, 40)
+    gen = Generator(target, max_len=96, chunk_size=8, eos_token_ids=[], speculate=PromptLookup(
+        tokens=4, ngram=3, min_tokens_per_step=0, skip_unmatched=True))
+    assert gen.generate(PROMPTS, 40) == want
+    assert 0 < gen.stats.verify_steps < gen.stats.decode_steps
+    assert gen.stats.accepted_per_step >= 1
 
 
 def chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
@@ -179,8 +210,10 @@ def test_sampled_speculation_matches_plain_sampling(models, kind):
     # Lookup drafts are accepted with probability p(draft): a low temperature makes that likely enough here.
     kw = dict(temperature=0.2 if kind == "lookup" else 0.7, top_k=40, seed=11)
     want = np.array(Generator(target, max_len=32, eos_token_ids=[]).generate(prompt, n, **kw))
-    spec = PromptLookup(tokens=3, ngram=1, min_tokens_per_step=0) if kind == "lookup" else DraftModel(
-        other, tokens=3, min_tokens_per_step=0)
+    if kind == "lookup":
+        spec = PromptLookup(tokens=3, ngram=1, min_tokens_per_step=0, skip_unmatched=False)
+    else:
+        spec = DraftModel(other, tokens=3, min_tokens_per_step=0)
     gen = Generator(target, max_len=32, eos_token_ids=[], speculate=spec)
     got = np.array(gen.generate(prompt, n, **{**kw, "seed": 12}))
     assert 1.1 < gen.stats.accepted_per_step < 3.9, gen.stats  # drafts both accepted and rejected
@@ -193,14 +226,16 @@ def test_low_acceptance_falls_back_to_plain_steps(models):
     target = models[0]
     want = plain(target, PROMPTS, 40)
     # Nothing can reach K + 1 tokens per step on every row: every verify window is followed by a plain pause.
-    spec = PromptLookup(tokens=2, ngram=2, min_tokens_per_step=3, pause_steps=6)
+    spec = PromptLookup(tokens=2, ngram=2, min_tokens_per_step=3, pause_steps=6, skip_unmatched=False)
     gen = Generator(target, max_len=96, chunk_size=8, eos_token_ids=[], speculate=spec, read_every=4)
     assert gen.generate(PROMPTS, 40) == want
     s = gen.stats
     assert 0 < s.verify_steps < s.decode_steps  # both kinds ran
-    policy = SpeculationPolicy(spec)
+    policy = SpeculationPolicy(spec, window=4)
     assert policy.speculate()
-    policy.observe(tokens=10, row_steps=4)  # 2.5 per step < 3: pause
+    policy.observe(tokens=5, row_steps=2)  # the window is not full yet: no decision
+    assert policy.speculate()
+    policy.observe(tokens=5, row_steps=2)  # 2.5 per step < 3: pause
     assert not policy.speculate() and policy.plain_left == 6
     policy.ran_plain(4)
     assert not policy.speculate()
