@@ -96,14 +96,18 @@ def bare_step_ms(gen: Generator, kind: str, length: int, steps: int = 20) -> flo
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, required=True, help="checkpoint dir with tokenizer.json and a chat template")
+    ap.add_argument("--model", type=Path, default=None, help="checkpoint dir with tokenizer.json and a chat template")
     ap.add_argument("--configs", default="4:3,8:3", help="prompt lookup TOKENS:NGRAM pairs, comma-separated")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--table", type=Path, default=None, help="print the table of an earlier --out JSON and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load_model(args.model)
@@ -175,18 +179,22 @@ def main(argv: list[str] | None = None) -> int:
     print(table(doc))
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        args.out.with_suffix(".md").write_text(table(doc) + "\n")
     return 0
 
 
 def table(doc: dict) -> str:
-    lines = ["| prompt | system | decode tok/s | x plain | end-to-end tok/s | x plain | tokens/verify step | ceiling |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| prompt | system | decode tok/s | x plain | end-to-end tok/s | x plain | verify / all steps | "
+             "tokens per verify step | tokens per step | ceiling (always verify) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for pname, p in doc["prompts"].items():
         for sname, r in p["systems"].items():
+            per_step = (p["new_tokens"] - 1) / r["decode_steps"] if r.get("decode_steps") else 1.0
             lines.append(
                 f"| {pname} ({p['prompt_tokens']}+{p['new_tokens']}) | {sname} | {r['decode_tok_s']:.1f} | "
                 f"{r.get('speedup_decode', 1.0):.2f} | {r['e2e_tok_s']:.1f} | {r.get('speedup_e2e', 1.0):.2f} | "
-                f"{r['accepted_per_step']:.2f} | {r.get('ceiling', 1.0):.2f} |"
+                f"{r.get('verify_steps', 0)} / {r.get('decode_steps', 0)} | {r['accepted_per_step']:.2f} | "
+                f"{per_step:.2f} | {r.get('ceiling', 1.0):.2f} |"
             )
     lines.append("")
     lines.append("| bare step | ms |")

@@ -20,7 +20,6 @@ step.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator as Gen
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -34,7 +33,8 @@ from static_decode.checks import check_int
 from static_decode.memory import cache_bytes, check_fits, generation_bytes
 from static_decode.model import Llama
 from static_decode.request import Request, check_request
-from static_decode.speculation import DraftModel, NgramIndex, PromptLookup, Speculation, SpeculationPolicy
+from static_decode.speculation import DraftModel, PromptLookup, Speculation, SpeculationPolicy
+from static_decode.speculative_loop import decode_speculative, read_rows
 from static_decode.stats import GenerationStats
 from static_decode.steps import PAD, STEPS, EagerRunner, StepBuffers, StepFn, StepRunner
 from static_decode.verify import speculative_steps
@@ -318,11 +318,11 @@ class Generator:
                 with sample_range:
                     self.step_fn("first_greedy" if req.greedy else "first", 0)(model, cache, bufs, 0)
             if self.speculate is not None:
-                piece = self._read_rows(1, finished, emitted, eos, max_new)
+                piece = read_rows(bufs, 1, finished, emitted, eos, max_new)
                 t1 = time.perf_counter()
                 yield piece
                 policy = SpeculationPolicy(self.speculate)
-                steps = yield from self._decode_speculative(req, every, policy, finished, emitted, eos)
+                steps = yield from decode_speculative(self, req, every, policy, finished, emitted, eos)
             else:
                 steps = 0
                 longest = int(cache.host_lens.max())  # exact now; an upper bound from here on
@@ -355,97 +355,6 @@ class Generator:
             if not complete:  # abandoned or failed: leave a consistent, empty cache
                 cache.reset()
                 self.epoch += 1
-
-    def _decode_speculative(
-        self,
-        req: Request,
-        every: int,
-        policy: SpeculationPolicy,
-        finished: np.ndarray,
-        emitted: np.ndarray,
-        eos: set[int],
-    ) -> Gen[list[list[int]], None, int]:
-        """Decode with verify steps (plain steps while the policy pauses speculation); yield each read-back.
-
-        The host does not know how many tokens a verify step accepted until it reads back, so it keeps per row an
-        upper bound of the length (each verify step adds at most K + 1, a plain one 1; never past prompt +
-        max_new_tokens - 1) for the read length, and a lower bound of the emitted tokens (at least 1 per step
-        for a live row) to stop once every row must be finished. A read-back (every `every` steps, at a lower
-        bound reaching max_new_tokens, and at each change between verify and plain steps, so a window's tokens
-        belong to one kind) makes both exact again. Returns the steps launched.
-        """
-        cache, bufs, model, R, max_new = self.cache, self.bufs, self.model, len(req.rows), req.max_new_tokens
-        K = self.speculate.tokens
-        draft = self.draft_cache is not None
-        verify = "verify_greedy" if req.greedy else "verify"
-        plain = "decode_greedy" if req.greedy else "decode"
-        draft_kind = "draft_greedy" if req.greedy else "draft"
-        start = cache.host_lens[:R] - 1  # a row's device length is start + emitted (its last token is not fed)
-        cap = cache.host_lens[:R] + max_new - 1  # ... and never more than this
-        live_before = bufs.live_steps[:R].cpu().numpy().copy()  # at the last read-back (the first token's step counted)
-        total = 0
-        decode_range = ranges.range(ranges.DECODE_STEP, ranges.COLORS["decode"])
-        spec = self.speculate
-        skip = isinstance(spec, PromptLookup) and (
-            spec.skip_unmatched if spec.skip_unmatched is not None else cache.device.type == "cpu"
-        )
-        index = None
-        if skip:  # the host's copy of each row's text: read back after every step (free on the CPU)
-            every = 1
-            tail = self.bufs.out[:R, 0].cpu().tolist()  # token 0 of each row (read already: no new sync on the CPU)
-            index = [NgramIndex(spec.ngram, [*row, tail[b]]) for b, row in enumerate(req.rows)]
-        while not finished.all():
-            speculating = policy.speculate()
-            if index is not None and speculating:
-                speculating = any(index[b].matched() for b in range(R) if not finished[b])
-            width = K + 1 if speculating else 1  # tokens a step may add per row
-            lens = start + emitted  # [R] exact at the read-back
-            left = ~finished
-            steps = 0
-            while steps < every and not (emitted[left] + steps >= max_new).all():
-                longest = int(np.minimum(lens + steps * width, cap)[left].max())
-                read_len = self.read_len(min(longest + width, self.max_len))
-                with torch.no_grad(), decode_range:
-                    if speculating:
-                        if draft:
-                            self.step_fn(draft_kind, read_len)(model, cache, bufs, read_len)
-                        self.step_fn(verify, read_len)(model, cache, bufs, read_len)
-                    else:
-                        if draft:
-                            self.step_fn("draft_follow", read_len)(model, cache, bufs, read_len)
-                        self.step_fn(plain, read_len)(model, cache, bufs, read_len)
-                steps += 1
-            total += steps
-            before = emitted.copy()
-            piece = self._read_rows(min(max_new, int(emitted.max()) + steps * width), finished, emitted, eos, max_new)
-            live_now = self.bufs.live_steps[:R].cpu().numpy().copy()  # on the CPU .cpu() is the buffer itself
-            if speculating:
-                policy.verify_steps += steps
-                policy.observe(int((emitted - before).sum()), int((live_now - live_before).sum()))
-            else:
-                policy.ran_plain(steps)
-            live_before = live_now
-            if index is not None:
-                for b, toks in enumerate(piece):
-                    index[b].extend(toks)
-            yield piece
-        return total
-
-    def _read_rows(
-        self, stop: int, finished: np.ndarray, emitted: np.ndarray, eos: set[int], max_new: int
-    ) -> list[list[int]]:
-        """Each row's tokens from out[b, emitted[b]:stop] (rows emit at their own pace: a verify step records
-        1..K+1 tokens per row); updates `finished` (EOS or max_new tokens) and `emitted`."""
-        lo = int(emitted.min())
-        block = self.bufs.out[: len(finished), lo:stop].cpu().numpy()  # the one sync per read
-        piece = []
-        for b, row in enumerate(block):
-            toks = [int(t) for t in row[emitted[b] - lo :] if t != PAD]
-            if (toks and toks[-1] in eos) or emitted[b] + len(toks) >= max_new:
-                finished[b] = True
-            emitted[b] += len(toks)
-            piece.append(toks)
-        return piece
 
     def _read_back(
         self, start: int, stop: int, finished: np.ndarray, emitted: np.ndarray, eos: set[int]

@@ -24,7 +24,7 @@ CORE = {
                  "parallel", "progress", "ranges", "reference", "rope", "sampling", "speculation", "steps", "verify")
 }
 GENERATOR = {"static_decode", "static_decode.conversation", "static_decode.generator", "static_decode.request",
-             "static_decode.stats"}
+             "static_decode.speculative_loop", "static_decode.stats"}
 LAYER_NAMES = ("core", "capture", "generator", "commands")
 
 
