@@ -319,3 +319,22 @@ def test_a_long_row_done_early_beside_a_short_live_row(models):
     assert len(want[0]) == 1 and len(want[1]) > 10
     gen = Generator(target, max_len=96, chunk_size=8, eos_token_ids=[eos], speculate=PromptLookup(tokens=4, ngram=1))
     assert gen.generate(rows, 20) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_verify_steps_equal_eager(models, tmp_path):
+    """On CUDA (reduce-overhead: the verify and draft steps replayed as CUDA graphs): greedy equals plain decode,
+    seeded sampling equals the eager speculative run, no cudagraph skip, no graph break."""
+    from capture.guards import count_compiles
+
+    target = load_model(save(hf_llama(seed=31), tmp_path / "t"), device="cuda")
+    want = Generator(target, max_len=64, chunk_size=8, eos_token_ids=[]).generate(PROMPTS, 24)
+    for spec in (PromptLookup(tokens=3, ngram=2, min_tokens_per_step=0), DraftModel(target, tokens=2)):
+        with count_compiles() as c:
+            gen = Generator(target, max_len=64, chunk_size=8, eos_token_ids=[], speculate=spec, compile=True)
+        assert (c.counts.graph_breaks, c.counts.cudagraph_skips) == (0, 0) and not gen.runner.fallbacks
+        assert gen.generate(PROMPTS, 24) == want
+        eager = Generator(target, max_len=64, chunk_size=8, eos_token_ids=[], speculate=spec)
+        kw = dict(temperature=0.9, seed=5)
+        assert gen.generate(PROMPTS, 12, **kw) == eager.generate(PROMPTS, 12, **kw)
