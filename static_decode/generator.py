@@ -42,7 +42,9 @@ from static_decode.verify import speculative_steps
 if TYPE_CHECKING:
     from capture.report import CaptureRecord, CaptureReport
 
-DEFAULT_CHUNK_SIZE = 64  # prompt slots per prefill step
+# Prompt slots per prefill step. Compiled SmolLM2 prefill on the CPU (profiles/RESULTS.md), seconds at 128 / 1,024
+# prompt tokens: chunk 64 0.22 / 1.91, 128 0.146 / 1.35, 256 0.28 / 1.32 (a short prompt pays for the padding).
+DEFAULT_CHUNK_SIZE = 128
 DEFAULT_READ_EVERY = 16  # decode steps between read-backs of the emitted tokens
 
 

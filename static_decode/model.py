@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from static_decode import rope
+from static_decode import projection, rope
 from static_decode.attention import DEFAULT_IMPL, IMPLS, grouped_attention
 from static_decode.cache import IntsLike, StaticKVCache
 from static_decode.config import LlamaConfig
@@ -54,11 +54,16 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def _project(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)` in the formulation static_decode.projection picks (a one-row compiled CPU bf16 step streams)."""
+    return projection.linear(x, linear.weight, linear.bias)
+
+
 def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """A row-parallel projection: this rank's partial product, summed over the ranks, then the bias (once)."""
     if not tp.enabled:
-        return linear(x)
-    out = tp.all_reduce(F.linear(x, linear.weight))
+        return projection.linear(x, linear.weight, linear.bias)
+    out = tp.all_reduce(projection.linear(x, linear.weight))
     return out if linear.bias is None else out + linear.bias
 
 
@@ -95,13 +100,13 @@ class Attention(nn.Module):
         impl: str,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim)  # [B, T, Hq, d]
-        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)  # [B, T, Hkv, d]
+        q = _project(self.q_proj, x).view(B, T, self.heads, self.head_dim)  # [B, T, Hq, d]
+        k = _project(self.k_proj, x).view(B, T, self.kv_heads, self.head_dim)  # [B, T, Hkv, d]
         if self.q_norm is not None and self.k_norm is not None:
             # Qwen3 normalises each head over d before rotating it (rope after the norm, as it was trained).
             q, k = self.q_norm(q), self.k_norm(k)  # [B, T, Hq, d], [B, T, Hkv, d]
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, Hq, T, d], [B, Hkv, T, d]
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, d]
+        v = _project(self.v_proj, x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, d]
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         cache.write(layer, k, v, n_new)  # at the old lengths; padded slots go to the spare row
         k_all, v_all = cache.layer_view(layer, read_len)  # [B, Hkv, read_len, d] views
@@ -125,7 +130,8 @@ class MLP(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return row_parallel(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), self.tp)
+        h = F.silu(_project(self.gate_proj, x)) * _project(self.up_proj, x)  # [B, T, inner]
+        return row_parallel(self.down_proj, h, self.tp)
 
 
 class Block(nn.Module):
@@ -240,7 +246,7 @@ class Llama(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] from final-normed hidden states [..., D]."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight)
+        return projection.linear(h, weight)
 
     def step(
         self, tokens: torch.Tensor, cache: StaticKVCache, n_new: torch.Tensor, read_len: int

@@ -21,7 +21,8 @@ PACKAGES = ("static_decode", "capture")
 CORE = {
     f"static_decode.{name}"
     for name in ("attention", "cache", "chat_template", "checks", "config", "exports", "loading", "memory", "model",
-                 "parallel", "progress", "ranges", "reference", "rope", "sampling", "speculation", "steps", "verify")
+                 "parallel", "progress", "projection", "ranges", "reference", "rope", "sampling", "speculation",
+                 "steps", "verify")
 }
 GENERATOR = {"static_decode", "static_decode.conversation", "static_decode.generator", "static_decode.request",
              "static_decode.speculative_loop", "static_decode.stats"}

@@ -1,0 +1,42 @@
+"""The projections of a step (q/k/v/o, gate/up/down, the head), with the one-token decode formulation chosen per
+device and dtype here, in one place.
+
+A batch-1 decode step multiplies one row by every weight matrix: a GEMV, bound by reading the weights. On the CPU
+in bfloat16 (and float16) the library GEMV (oneDNN through `F.linear`) reads them far below the memory bandwidth,
+while the same product written as an elementwise multiply and a row sum, which inductor compiles into one
+vectorised streaming reduction (each weight row read once, accumulated in float32), is 1.2-2x faster on every
+SmolLM2 shape (profiles/RESULTS.md, "Decode projections": 192x576 2.0x, 576x576 1.4x, 1536x576 1.4x, 576x1536
+1.3x, the 49152x576 head 1.2x, cold weights, 2 threads). In float32 MKL's GEMV is as fast as the reduction or
+faster (the head, the down projection), and on CUDA cuBLAS stays. So the reduction is used only where it measured
+faster: a compiled step (inductor fuses it; eager would materialise the whole product), on the CPU, in a 16-bit
+dtype, with one row. Prefill chunks and verify steps (several rows) keep the GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+STREAMED_DTYPES = (torch.bfloat16, torch.float16)  # CPU dtypes whose one-row product streams faster than F.linear
+
+
+def streams(weight: torch.Tensor, rows: int) -> bool:
+    """Whether a product of `rows` rows by `weight` takes the multiply-and-row-sum form (see the module doc)."""
+    return (
+        rows == 1
+        and weight.device.type == "cpu"
+        and weight.dtype in STREAMED_DTYPES
+        and torch.compiler.is_compiling()
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, x [..., K], weight [N, K]; streamed for a single row where that is faster."""
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    if not streams(weight, rows):
+        return F.linear(x, weight, bias)
+    row = x.reshape(1, K)  # [1, K]
+    out = (weight.float() * row.float()).sum(dim=-1)  # [N] float32 accumulation, each weight row read once
+    out = out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])  # [..., N]
+    return out if bias is None else out + bias
