@@ -270,4 +270,23 @@ def test_targets_from_rows():
     (check,) = t["attention_bucket_over_max_len"]["checks"]
     assert (check["bucket"], check["ideal_ratio"], check["over_ideal"]) == (256, 0.125, 1.33)
     assert check["met"] is False
+    assert "long_context_over_bytes" not in t  # no model facts in this document
+
+
+def test_long_context_target_from_the_bytes_ratio():
+    # 1,000 float32 parameters = 4,000 B; one token's K/V = 2 x 2 layers x 1 head x 10 x 4 B = 160 B.
+    model = {"parameters": 1000, "dtype": "float32", "layers": 2, "kv_heads": 1, "head_dim": 10}
+    assert bench_report.bytes_per_token(model, 25) == 4000 + 25 * 160
+    rows = [
+        {"system": "static-decode", "context": 0, "ms_per_token": 2.0},
+        {"system": "static-decode", "context": 25, "ms_per_token": 4.0},  # ideal 2x, measured 2x
+        {"system": "static-decode", "context": 50, "ms_per_token": 8.0},  # ideal 3x, measured 4x: over 1.25
+        {"system": "llama.cpp", "context": 50, "ms_per_token": 10.0},
+    ]
+    doc = {"bench": {"contexts": [0, 25, 50], "max_len": 64}, "rows": rows, "model": model}
+    g = bench_report.targets(doc)["long_context_over_bytes"]
+    assert [(x["context"], x["ideal_ratio"], x["measured_ratio"], x["met"]) for x in g["by_context"]] == [
+        (25, 2.0, 2.0, True), (50, 3.0, 4.0, False)
+    ]
+    assert g["by_context"][1]["llama_cpp_over_static_decode"] == 1.25 and g["met"] is False
 

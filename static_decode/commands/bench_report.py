@@ -25,6 +25,15 @@ from static_decode.attention import DEFAULT_IMPL
 SPEEDUP_TARGET = 3.0  # static-decode vs transformers, per token, at every context
 CLEARLY_BELOW = 1.2  # full-read / static-decode at max_len/16 counts as "clearly below" from here
 ATTENTION_SLACK = 1.25  # attention(bucket) / attention(max_len) within this factor of bucket / max_len
+LONG_CONTEXT_SLACK = 1.25  # ms(context) / ms(shortest) within this factor of the bytes ratio (issue 12)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def bytes_per_token(model: dict[str, Any], context: int) -> int:
+    """Bytes a decode step must read at `context` live tokens: every weight once plus the live K/V (the floor)."""
+    size = DTYPE_BYTES[model["dtype"]]
+    kv = 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * size  # K and V of one token, all layers
+    return model["parameters"] * size + context * kv
 
 
 def _ms(doc: dict[str, Any], system: str, context: int) -> float | None:
@@ -62,6 +71,27 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
     if checks:
         out["attention_bucket_over_max_len"] = {"target": f"within {ATTENTION_SLACK}x of bucket/max_len",
                                                 "checks": checks, "met": all(c["met"] for c in checks)}
+    model = doc.get("model", {})
+    first = min(contexts)
+    base = _ms(doc, "static-decode", first)
+    facts = {"parameters", "dtype", "layers", "kv_heads", "head_dim"} <= set(model)
+    if base and facts and model["dtype"] in DTYPE_BYTES:
+        growth = []
+        for c in sorted(contexts)[1:]:
+            ms = _ms(doc, "static-decode", c)
+            if ms:
+                ideal = bytes_per_token(model, c) / bytes_per_token(model, first)
+                other = _ms(doc, "llama.cpp", c)
+                growth.append({
+                    "context": c, "ideal_ratio": round(ideal, 3), "measured_ratio": round(ms / base, 3),
+                    "over_ideal": round(ms / base / ideal, 2), "met": ms / base <= LONG_CONTEXT_SLACK * ideal,
+                    **({"llama_cpp_over_static_decode": round(other / ms, 2)} if other else {}),
+                })
+        if growth:
+            out["long_context_over_bytes"] = {
+                "target": f"ms(context) / ms({first}) within {LONG_CONTEXT_SLACK}x of (weights + live K/V) bytes ratio",
+                "by_context": growth, "met": all(g["met"] for g in growth),
+            }
     return out
 
 
