@@ -340,3 +340,24 @@ def test_cuda_graph_verify_steps_equal_eager(models, tmp_path):
                 kw = dict(temperature=0.9, seed=5)
                 assert gen.generate(PROMPTS, 12, **kw) == eager.generate(PROMPTS, 12, **kw)
         assert (c.counts.graph_breaks, c.counts.cudagraph_skips) == (0, 0) and not gen.runner.fallbacks
+
+
+def test_warm_up_of_every_speculative_kind_leaves_no_trace(models):
+    """warm_up="all" runs every kind (verify, draft_prefill, draft, draft_follow, ...) on scratch state: the
+    cache, the draft cache and the buffers are as before, and requests then equal plain decode (dynamo graphs
+    without inductor, so this stays fast; the inductor path is the compiled test above)."""
+    from capture import CompileSettings
+
+    target = models[0]
+    want = plain(target, PROMPTS, 20)
+    opts = CaptureOptions(settings=CompileSettings(backend="eager"), progress=False)
+    for spec in (PromptLookup(tokens=3, ngram=2), DraftModel(models[1], tokens=2)):
+        gen = Generator(target, max_len=64, chunk_size=8, eos_token_ids=[], speculate=spec, compile=True,
+                        capture=opts, batch=3)
+        kinds = {r.kind for r in gen.capture_records}
+        assert {"verify", "verify_greedy"} <= kinds
+        if isinstance(spec, DraftModel):
+            assert {"draft_prefill", "draft", "draft_greedy", "draft_follow"} <= kinds
+            assert not gen.draft_cache.lens.any()
+        assert not gen.cache.lens.any() and not gen.bufs.step.any() and not gen.bufs.done.any()
+        assert gen.generate(PROMPTS, 20) == want
