@@ -267,9 +267,10 @@ def test_draft_model_keeps_its_cache_through_plain_pauses(models, monkeypatch):
     assert gen.stats.accepted_per_step > 3.5  # 4 but where the last step hits max_new_tokens
 
 
-def test_conversation_and_stream_with_speculation(models):
+@pytest.mark.parametrize("kind", ["lookup", "draft"])
+def test_conversation_and_stream_with_speculation(models, kind):
     target = models[0]
-    spec = PromptLookup(tokens=3, ngram=2, min_tokens_per_step=0)
+    spec = PromptLookup(tokens=3, ngram=2, min_tokens_per_step=0) if kind == "lookup" else DraftModel(models[1])
     ref = Conversation(Generator(target, max_len=96, chunk_size=8, eos_token_ids=[]))
     conv = Conversation(Generator(target, max_len=96, chunk_size=8, eos_token_ids=[], speculate=spec))
     for turn in (PROMPTS[0], PROMPTS[1]):
