@@ -7,6 +7,10 @@ and keeps an upper bound during decode (each step adds at most one token per row
 the read length. Emitted tokens are read back from `bufs.out` in batches (every `read_every` steps and at the
 end): that is the only sync during decode, and it is also where the host notices that every row finished.
 
+With `speculate` (static_decode.speculation) decode runs verify steps instead, each emitting 1..K+1 tokens per
+row; that host loop (bounds instead of exact lengths, read-backs, when to run plain steps) is
+static_decode.speculative_loop.
+
 What runs a step is the runner's business (`static_decode.steps.StepRunner`): it answers the read length of a
 step and the callable of a step kind at that length. `EagerRunner` by default; with `compile=True` the
 capture layer's `CompiledRunner` (one graph per (kind, read bucket), the capture policy with it).
