@@ -64,15 +64,18 @@ class Conversation:
             )
         feed = ([] if self.pending is None else [self.pending]) + list(ids)
         max_new = check_int("max_new_tokens", max_new_tokens, minimum=1)
-        need = len(self.history) + len(feed) + max_new
+        drafts = gen.draft_slots  # a speculative verify step writes K drafts past the last token
+        need = len(self.history) + len(feed) + max_new + drafts
         if need > gen.max_len:
+            extra = f" + {drafts} draft slots" if drafts else ""
             raise ValueError(
                 f"turn {turn} does not fit: {len(self.history)} cached + {len(feed)} new + max_new_tokens="
-                f"{max_new} = {need} > max_len={gen.max_len}; nothing was sent"
+                f"{max_new}{extra} = {need} > max_len={gen.max_len}; nothing was sent"
             )
         req = check_request(
             feed, max_new, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
             vocab_size=gen.model.config.vocab_size, max_len=gen.max_len - len(self.history), max_batch=None,
+            draft_slots=drafts,
         )
         every = gen.read_every if read_every is None else check_int("read_every", read_every, minimum=1)
         pieces = gen._run(req, every, keep_cache=self._epoch is not None)

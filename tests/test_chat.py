@@ -108,3 +108,12 @@ def test_chat_reset_and_a_turn_too_long(chatty, capsys, monkeypatch) -> None:
     lines = out.splitlines()
     assert lines[0] == lines[1]  # after /reset the same message gets the same (greedy) reply
     assert "[conversation reset]" in err and "does not fit" in err
+
+
+def test_chat_with_speculation_prints_the_same_replies(chatty, capsys, monkeypatch) -> None:
+    argv = ["chat", "--model", str(chatty), "--max-new-tokens", str(NEW), "--max-len", "160", "--chunk-size", "8"]
+    rc, plain_out, _ = _run(capsys, monkeypatch, argv, "hello\nmore please\n")
+    assert rc == 0
+    rc, out, err = _run(capsys, monkeypatch, [*argv, "--speculate", "prompt-lookup:3:2"], "hello\nmore please\n")
+    assert rc == 0, err
+    assert out == plain_out and "[turn 2: prefilled" in err

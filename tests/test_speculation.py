@@ -277,6 +277,14 @@ def test_conversation_and_stream_with_speculation(models, kind):
         assert list(conv.send(turn, 12)) == list(ref.send(turn, 12))
     gen = Generator(target, max_len=96, chunk_size=8, eos_token_ids=[], speculate=spec, read_every=2)
     assert list(gen.stream(PROMPTS[0], 25)) == plain(target, PROMPTS[0], 25)
+    # A turn counts the draft slots too: it fits exactly, one more token is refused before anything changes.
+    conv = Conversation(Generator(target, max_len=40, chunk_size=8, eos_token_ids=[], speculate=spec))
+    K = spec.tokens
+    first = list(conv.send(PROMPTS[0], 40 - len(PROMPTS[0]) - K))
+    assert first == plain(target, PROMPTS[0], 40 - len(PROMPTS[0]) - K)
+    conv = Conversation(Generator(target, max_len=40, chunk_size=8, eos_token_ids=[], speculate=spec))
+    with pytest.raises(ValueError, match=f"\\+ {K} draft slots = 41 > max_len=40"):
+        conv.send(PROMPTS[0], 40 - len(PROMPTS[0]) - K + 1)
 
 
 def test_compiled_speculation_equals_eager(models):

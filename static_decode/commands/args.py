@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from capture.settings import CaptureOptions
-from static_decode.speculation import DEFAULT_NGRAM, DEFAULT_TOKENS, Speculation
+from static_decode.loading import load_model
+from static_decode.model import Llama
+from static_decode.speculation import DEFAULT_NGRAM, DEFAULT_TOKENS, DraftModel, PromptLookup, Speculation
 from static_decode.steps import GREEDY_KINDS, SAMPLED_KINDS
 from static_decode.verify import speculative_kinds
 
@@ -52,6 +55,35 @@ def speculate_arg(text: str) -> tuple[str, int, int]:
     tokens = values[0] if values else DEFAULT_TOKENS
     ngram = values[1] if len(values) > 1 else DEFAULT_NGRAM if name == "prompt-lookup" else 0
     return name, tokens, ngram
+
+
+def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
+    """--speculate and --draft-model (generate, demo, chat)."""
+    p.add_argument("--speculate", type=speculate_arg, default=None,
+                   help=f"speculative decoding: {SPECULATE_FORMS}; greedy output is unchanged")
+    p.add_argument("--draft-model", type=Path, default=None,
+                   help="checkpoint dir of a draft model (same vocabulary) for --speculate draft")
+
+
+def speculation(args: argparse.Namespace, model: Llama) -> Speculation | None:
+    """The Speculation of --speculate / --draft-model (loaded like the target: same device and dtype)."""
+    choice, draft_path = getattr(args, "speculate", None), getattr(args, "draft_model", None)
+    if draft_path is not None and choice is None:
+        choice = speculate_arg("draft")
+    if choice is None:
+        return None
+    name, tokens, ngram = choice
+    if name == "prompt-lookup":
+        if draft_path is not None:
+            raise ValueError("--draft-model goes with --speculate draft[:TOKENS], not prompt-lookup")
+        return PromptLookup(tokens=tokens, ngram=ngram)
+    if draft_path is None:
+        raise ValueError("--speculate draft needs --draft-model PATH (a checkpoint with the target's vocabulary)")
+    if not (draft_path / "config.json").is_file():
+        raise FileNotFoundError(f"no checkpoint at {draft_path} (--draft-model)")
+    draft = load_model(draft_path, dtype=model.dtype, device=model.device)
+    return DraftModel(draft, tokens=tokens)
+
 
 
 def name_list(text: str) -> tuple[str, ...]:

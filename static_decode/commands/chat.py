@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from static_decode.chat_template import ChatTemplate, load_chat_template
-from static_decode.commands.args import capture_options, check_device
+from static_decode.commands.args import add_speculation_arguments, capture_options, check_device, speculation
 from static_decode.commands.streaming import write_stream
 from static_decode.conversation import Conversation
 from static_decode.generator import DEFAULT_CHUNK_SIZE, Generator
@@ -81,9 +81,10 @@ def run_chat(args: argparse.Namespace) -> int:
                          f"in {path}")
     model = load_model(path, dtype=args.dtype, device=device, tp=tp)
     max_len = args.max_len or min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)
-    capture = capture_options(args.compile, args.temperature)
+    spec = speculation(args, model)
+    capture = capture_options(args.compile, args.temperature, spec)
     gen = Generator(model, max_len=max_len, chunk_size=args.chunk_size, batch=1, compile=args.compile,
-                    capture=capture)
+                    capture=capture, speculate=spec)
     session = ChatSession(gen, tokenizer, template)
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
     interactive = tp.rank == 0 and sys.stdin.isatty()
@@ -132,4 +133,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="compile the steps")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    add_speculation_arguments(p)
     p.set_defaults(run=run_chat, distributed=True)

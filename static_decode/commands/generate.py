@@ -7,12 +7,10 @@ import sys
 from pathlib import Path
 
 from static_decode.chat_template import load_chat_template
-from static_decode.commands.args import SPECULATE_FORMS, capture_options, check_device, int_list, speculate_arg
+from static_decode.commands.args import add_speculation_arguments, capture_options, check_device, int_list, speculation
 from static_decode.commands.streaming import write_stream
 from static_decode.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
 from static_decode.loading import default_model_path, load_model, load_tokenizer
-from static_decode.model import Llama
-from static_decode.speculation import DraftModel, PromptLookup, Speculation
 
 DEMO_PROMPT = "def "
 
@@ -36,10 +34,7 @@ def add_generation_arguments(p: argparse.ArgumentParser, *, demo: bool = False) 
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler Chrome trace of the run here")
-    p.add_argument("--speculate", type=speculate_arg, default=None,
-                   help=f"speculative decoding: {SPECULATE_FORMS}; greedy output is unchanged")
-    p.add_argument("--draft-model", type=Path, default=None,
-                   help="checkpoint dir of a draft model (same vocabulary) for --speculate draft")
+    add_speculation_arguments(p)
     if not demo:
         p.add_argument("--chat", action="store_true", help="render --prompt as one user message of the chat template")
 
@@ -55,26 +50,6 @@ def _start_profiler(path: Path | None):  # -> torch.profiler.profile | None
     prof = profile(activities=activities, record_shapes=True)
     prof.start()
     return prof
-
-
-def speculation(args: argparse.Namespace, model: Llama) -> Speculation | None:
-    """The Speculation of --speculate / --draft-model (loaded like the target: same device and dtype)."""
-    choice, draft_path = getattr(args, "speculate", None), getattr(args, "draft_model", None)
-    if draft_path is not None and choice is None:
-        choice = speculate_arg("draft")
-    if choice is None:
-        return None
-    name, tokens, ngram = choice
-    if name == "prompt-lookup":
-        if draft_path is not None:
-            raise ValueError("--draft-model goes with --speculate draft[:TOKENS], not prompt-lookup")
-        return PromptLookup(tokens=tokens, ngram=ngram)
-    if draft_path is None:
-        raise ValueError("--speculate draft needs --draft-model PATH (a checkpoint with the target's vocabulary)")
-    if not (draft_path / "config.json").is_file():
-        raise FileNotFoundError(f"no checkpoint at {draft_path} (--draft-model)")
-    draft = load_model(draft_path, dtype=model.dtype, device=model.device)
-    return DraftModel(draft, tokens=tokens)
 
 
 def run_generate(args: argparse.Namespace) -> int:
