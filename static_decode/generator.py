@@ -38,9 +38,9 @@ from static_decode.memory import cache_bytes, check_fits, generation_bytes
 from static_decode.model import Llama
 from static_decode.request import Request, check_request
 from static_decode.speculation import DraftModel, PromptLookup, Speculation, SpeculationPolicy
-from static_decode.speculative_loop import decode_speculative, read_rows
+from static_decode.speculative_loop import decode_speculative
 from static_decode.stats import GenerationStats
-from static_decode.steps import PAD, STEPS, EagerRunner, StepBuffers, StepFn, StepRunner
+from static_decode.steps import PAD, STEPS, EagerRunner, StepBuffers, StepFn, StepRunner, read_rows
 from static_decode.verify import speculative_steps
 
 if TYPE_CHECKING:
@@ -332,12 +332,10 @@ class Generator:
             else:
                 steps = 0
                 longest = int(cache.host_lens.max())  # exact now; an upper bound from here on
-                read_from = 0
                 kind = "decode_greedy" if req.greedy else "decode"
                 while True:
                     if steps + 1 == max_new or steps % every == 0:
-                        piece = self._read_back(read_from, steps + 1, finished, emitted, eos)
-                        read_from = steps + 1
+                        piece = read_rows(bufs, steps + 1, finished, emitted, eos, max_new)
                         if steps == 0:
                             t1 = time.perf_counter()
                         yield piece
@@ -361,17 +359,3 @@ class Generator:
             if not complete:  # abandoned or failed: leave a consistent, empty cache
                 cache.reset()
                 self.epoch += 1
-
-    def _read_back(
-        self, start: int, stop: int, finished: np.ndarray, emitted: np.ndarray, eos: set[int]
-    ) -> list[list[int]]:
-        """Tokens out[:, start:stop] of the request's rows, PAD stripped; updates `finished` and `emitted`."""
-        block = self.bufs.out[: len(finished), start:stop].cpu().numpy()  # the one sync per read
-        piece = []
-        for b, row in enumerate(block):
-            toks = [int(t) for t in row if t != PAD]
-            if toks and toks[-1] in eos:
-                finished[b] = True
-            emitted[b] += len(toks)
-            piece.append(toks)
-        return piece

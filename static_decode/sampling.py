@@ -73,19 +73,13 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    seed: torch.Tensor,
-    step: torch.Tensor,
-) -> torch.Tensor:
-    """[B] token ids from logits [B, V]; per-row temperature/top_k/top_p/seed [B]; step [] or [B] int64 (device).
-
-    Fixed shapes, no host reads. Rows with temperature 0 take the argmax.
-    """
-    B, V = logits.shape
+def _kept_sorted(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The filter both `sample` and `probabilities` apply, in transformers' order: the scaled logits sorted
+    descending with the tokens past top-k and past top-p at -inf [B, V], the sort order [B, V], and which rows
+    sample (temperature > 0) [B]."""
+    V = logits.shape[-1]
     logits = logits.to(torch.float32)
     hot = temperature > 0  # [B]
     scaled = logits / torch.where(hot, temperature, 1.0)[:, None]  # [B, V]
@@ -98,8 +92,23 @@ def sample(
     # The best token is never dropped (mass before it is 0 < top_p).
     before = probs.cumsum(dim=-1) - probs  # [B, V]
     cut_p = (top_p[:, None] < 1) & (before >= top_p[:, None])  # [B, V]
-    ordered = ordered.masked_fill(cut_p, -torch.inf)
-    noise = uniform(seed, step, V).gather(1, order)  # [B, V] the draw of each sorted token's id
+    return ordered.masked_fill(cut_p, -torch.inf), order, hot
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    step: torch.Tensor,
+) -> torch.Tensor:
+    """[B] token ids from logits [B, V]; per-row temperature/top_k/top_p/seed [B]; step [] or [B] int64 (device).
+
+    Fixed shapes, no host reads. Rows with temperature 0 take the argmax.
+    """
+    ordered, order, hot = _kept_sorted(logits, temperature, top_k, top_p)  # [B, V], [B, V], [B]
+    noise = uniform(seed, step, logits.shape[-1]).gather(1, order)  # [B, V] the draw of each sorted token's id
     score = ordered - torch.log(-torch.log(noise))  # logits/T - log E, E = -log U ~ Exp(1)
     picked = order.gather(1, score.argmax(dim=-1, keepdim=True)).squeeze(1)  # [B]
     return torch.where(hot, picked, greedy(logits))
@@ -112,18 +121,9 @@ def probabilities(
     in vocabulary order. Rows with temperature 0 get the one-hot of their argmax (what `sample` returns there).
     Speculative sampling needs the distribution itself, not a draw: it accepts a draft token with probability
     p(token) / q(token) and otherwise draws from the residual max(0, p - q)."""
-    B, V = logits.shape
-    logits = logits.to(torch.float32)
-    hot = temperature > 0  # [B]
-    scaled = logits / torch.where(hot, temperature, 1.0)[:, None]  # [B, V]
-    ordered, order = scaled.sort(dim=-1, descending=True)  # [B, V] each
-    rank = torch.arange(V, device=logits.device)  # [V]
-    ordered = ordered.masked_fill((top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None]), -torch.inf)
-    probs = ordered.softmax(dim=-1)  # [B, V]
-    before = probs.cumsum(dim=-1) - probs  # [B, V]
-    ordered = ordered.masked_fill((top_p[:, None] < 1) & (before >= top_p[:, None]), -torch.inf)
+    ordered, order, hot = _kept_sorted(logits, temperature, top_k, top_p)  # [B, V], [B, V], [B]
     kept = torch.empty_like(ordered).scatter_(1, order, ordered.softmax(dim=-1))  # [B, V] back in id order
-    onehot = F.one_hot(greedy(logits), V).to(torch.float32)  # [B, V]
+    onehot = F.one_hot(greedy(logits), logits.shape[-1]).to(torch.float32)  # [B, V]
     return torch.where(hot[:, None], kept, onehot)
 
 

@@ -17,7 +17,7 @@ from static_decode.cache import StaticKVCache
 from static_decode.model import Llama
 from static_decode.request import Request
 from static_decode.speculation import NgramIndex, PromptLookup, Speculation, SpeculationPolicy
-from static_decode.steps import PAD, StepBuffers, StepFn
+from static_decode.steps import StepBuffers, StepFn, read_rows
 
 
 class Host(Protocol):
@@ -111,20 +111,3 @@ def decode_speculative(
                 index[b].extend(toks)
         yield piece
     return total
-
-def read_rows(
-    bufs: StepBuffers, stop: int, finished: np.ndarray, emitted: np.ndarray, eos: set[int], max_new: int
-) -> list[list[int]]:
-    """Each row's tokens from out[b, emitted[b]:stop] (rows emit at their own pace: a verify step records
-    1..K+1 tokens per row); updates `finished` (EOS or max_new tokens) and `emitted`."""
-    lo = int(emitted.min())
-    block = bufs.out[: len(finished), lo:stop].cpu().numpy()  # the one sync per read
-    piece = []
-    for b, row in enumerate(block):
-        toks = [int(t) for t in row[emitted[b] - lo :] if t != PAD]
-        if (toks and toks[-1] in eos) or emitted[b] + len(toks) >= max_new:
-            finished[b] = True
-        emitted[b] += len(toks)
-        piece.append(toks)
-    return piece
-

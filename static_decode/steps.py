@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from static_decode import sampling
@@ -172,6 +173,23 @@ def greedy_one(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: 
     n_new = (~bufs.done).to(torch.int64)  # [B]
     logits = model.step(bufs.next, cache, n_new, read_len)[:, 0]  # [B, V]
     _emit(bufs, sampling.greedy(logits))
+
+
+def read_rows(
+    bufs: StepBuffers, stop: int, finished: np.ndarray, emitted: np.ndarray, eos: set[int], max_new: int
+) -> list[list[int]]:
+    """Host side: each request row's new tokens, out[b, emitted[b]:stop] with PAD stripped (rows emit at their
+    own pace: a done row none, a verify step 1..K+1); updates `finished` (EOS or max_new tokens) and `emitted`."""
+    lo = int(emitted.min())
+    block = bufs.out[: len(finished), lo:stop].cpu().numpy()  # the one sync per read
+    piece = []
+    for b, row in enumerate(block):
+        toks = [int(t) for t in row[emitted[b] - lo :] if t != PAD]
+        if (toks and toks[-1] in eos) or emitted[b] + len(toks) >= max_new:
+            finished[b] = True
+        emitted[b] += len(toks)
+        piece.append(toks)
+    return piece
 
 
 StepFn = Callable[[Llama, StaticKVCache, StepBuffers, int], None]

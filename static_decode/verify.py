@@ -110,13 +110,13 @@ def sampled_accept(
     keep = (u * q_d < p_d).to(torch.int64)  # [B, K]  u < p/q without dividing by a tiny q
     a = keep.cumprod(dim=-1).sum(dim=-1)  # [B] accepted drafts
     p_a = p.gather(1, a[:, None, None].expand(B, 1, V)).squeeze(1)  # [B, V]
-    q_ext = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # [B, K + 1, V] no draft after slot K
-    q_a = q_ext.gather(1, a[:, None, None].expand(B, 1, V)).squeeze(1)  # [B, V]
+    q_a = q.gather(1, a.clamp(max=K - 1)[:, None, None].expand(B, 1, V)).squeeze(1)  # [B, V]
+    q_a = q_a * (a < K)[:, None]  # no draft after slot K: the bonus token is drawn from p itself
     resid = (p_a - q_a).clamp(min=0)  # [B, V]
     resid = torch.where(resid.sum(dim=-1, keepdim=True) > 0, resid, p_a)  # p == q up to rounding: draw from p
     x = sampling.draw(resid, seed, step + a)  # [B] the token at slot a
-    draft_ext = torch.cat([draft, draft[:, :1]], dim=1)  # [B, K + 1] (slot K is replaced below)
-    tokens = torch.where(slot[None, :] == a[:, None], x[:, None], draft_ext)  # [B, K + 1]
+    drafts = draft.gather(1, slot.clamp(max=K - 1)[None, :].expand(B, K1))  # [B, K + 1] slot K: never emitted
+    tokens = torch.where(slot[None, :] == a[:, None], x[:, None], drafts)  # [B, K + 1]
     return tokens, a + 1
 
 
@@ -133,20 +133,33 @@ def _target_probs(logits: torch.Tensor, bufs: StepBuffers) -> torch.Tensor:
     return p.view(B, T, V)
 
 
+def _verify_greedy(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
+    """Verify `bufs.draft` greedily; emit and roll back."""
+    logits, n_new = _verify_logits(model, cache, bufs, read_len)
+    _accept(cache, bufs, *greedy_accept(logits, bufs.draft), n_new)
+
+
+def _verify_sampled(
+    model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int, q: torch.Tensor | None
+) -> None:
+    """Verify `bufs.draft` by the rejection rule against q [B, K, V] (None: the one-hot of a fixed draft)."""
+    logits, n_new = _verify_logits(model, cache, bufs, read_len)
+    if q is None:
+        q = F.one_hot(bufs.draft, logits.shape[-1]).to(torch.float32)  # [B, K, V] a fixed draft: q = 1 on it
+    tokens, count = sampled_accept(_target_probs(logits, bufs), q, bufs.draft, bufs.seed, bufs.step)
+    _accept(cache, bufs, tokens, count, n_new)
+
+
 def _lookup(spec: PromptLookup) -> tuple[StepFn, StepFn]:
     K, n = spec.tokens, spec.ngram
 
     def verify_lookup_greedy(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
         bufs.draft.copy_(lookup_draft(bufs.hist, bufs.plen + bufs.step, read_len, K, n))
-        logits, n_new = _verify_logits(model, cache, bufs, read_len)
-        _accept(cache, bufs, *greedy_accept(logits, bufs.draft), n_new)
+        _verify_greedy(model, cache, bufs, read_len)
 
     def verify_lookup(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
         bufs.draft.copy_(lookup_draft(bufs.hist, bufs.plen + bufs.step, read_len, K, n))
-        logits, n_new = _verify_logits(model, cache, bufs, read_len)
-        q = F.one_hot(bufs.draft, logits.shape[-1]).to(torch.float32)  # [B, K, V] a fixed draft: q = 1 on it
-        tokens, count = sampled_accept(_target_probs(logits, bufs), q, bufs.draft, bufs.seed, bufs.step)
-        _accept(cache, bufs, tokens, count, n_new)
+        _verify_sampled(model, cache, bufs, read_len, None)
 
     return verify_lookup, verify_lookup_greedy
 
@@ -187,15 +200,8 @@ def _draft_model(spec: DraftModel, dcache: StaticKVCache) -> dict[str, StepFn]:
     def draft_greedy(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
         run_draft(bufs, cache, read_len, False)
 
-    def verify_draft_greedy(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
-        logits, n_new = _verify_logits(model, cache, bufs, read_len)
-        _accept(cache, bufs, *greedy_accept(logits, bufs.draft), n_new)
-
     def verify_draft(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
-        logits, n_new = _verify_logits(model, cache, bufs, read_len)
-        p = _target_probs(logits, bufs)
-        tokens, count = sampled_accept(p, bufs.draft_probs, bufs.draft, bufs.seed, bufs.step)
-        _accept(cache, bufs, tokens, count, n_new)
+        _verify_sampled(model, cache, bufs, read_len, bufs.draft_probs)
 
     return {
         "draft_prefill": draft_prefill,
@@ -203,7 +209,7 @@ def _draft_model(spec: DraftModel, dcache: StaticKVCache) -> dict[str, StepFn]:
         "draft_greedy": draft_greedy,
         "draft_follow": draft_follow,
         "verify": verify_draft,
-        "verify_greedy": verify_draft_greedy,
+        "verify_greedy": _verify_greedy,
     }
 
 
