@@ -72,7 +72,8 @@ class CompiledRunner:
         settings = opts.settings or CompileSettings.for_device(cache.device, collectives=tp.backend())
         self._fns = {kind: _own_copy(fn) for kind, fn in (STEPS if steps is None else steps).items()}
         self.registry = StepRegistry(
-            self._fns, BucketLadder.of(opts.buckets, cache.max_len), args=(model, cache, bufs),
+            self._fns, BucketLadder.of(opts.buckets, cache.max_len, fine=settings.symbolic_read_len),
+            args=(model, cache, bufs),
             device=cache.device, settings=settings, unbucketed=UNBUCKETED,
             static_tensors=[*(t for c in caches for t in (c.k, c.v)), *live], scratch=idle,
             # Each emitting call advances the output index; reset it, or 3 calls per pair under CUDA graphs

@@ -40,7 +40,7 @@ from static_decode.request import Request, check_request
 from static_decode.speculation import DraftModel, PromptLookup, Speculation, SpeculationPolicy
 from static_decode.speculative_loop import decode_speculative
 from static_decode.stats import GenerationStats
-from static_decode.steps import PAD, STEPS, EagerRunner, StepBuffers, StepFn, StepRunner, read_rows
+from static_decode.steps import PAD, STEPS, EagerRunner, StepBuffers, StepFn, StepRunner, prefill_long, read_rows
 from static_decode.verify import speculative_steps
 
 if TYPE_CHECKING:
@@ -49,6 +49,12 @@ if TYPE_CHECKING:
 # Prompt slots per prefill step. Compiled SmolLM2 prefill on the CPU (profiles/RESULTS.md), seconds at 128 / 1,024
 # prompt tokens: chunk 64 0.22 / 1.91, 128 0.146 / 1.35, 256 0.28 / 1.32 (a short prompt pays for the padding).
 DEFAULT_CHUNK_SIZE = 128
+# Prompt slots per *long* prefill step, run uncompiled: once a prompt has this many tokens left, a chunk this long
+# is GEMM-bound, so inductor's fusion of the small ops gains little and a compile costs a minute, while one long
+# chunk's GEMMs run far faster than four short ones' (oneDNN's bf16 GEMMs most of all). SmolLM2-135M on the CPU,
+# 1,024 prompt tokens, s (profiles/RESULTS.md, "Prefill"): float32 compiled 128-chunks 1.23, eager 512-chunks 1.15;
+# bfloat16 0.61 -> 0.41. None = this default when it exceeds chunk_size, else off; 0 = off.
+DEFAULT_LONG_CHUNK = 512
 DEFAULT_READ_EVERY = 16  # decode steps between read-backs of the emitted tokens
 
 
@@ -68,6 +74,7 @@ class Generator:
         *,
         max_len: int,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        long_chunk: int | None = None,
         compile: bool = False,
         batch: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
@@ -82,6 +89,14 @@ class Generator:
         self.max_len = check_int("max_len", max_len, minimum=2)
         model.check_max_len(self.max_len)  # a sliding window shorter than the cache: refused before allocating
         self.chunk_size = check_int("chunk_size", chunk_size, minimum=1)
+        if long_chunk is None:
+            self.long_chunk = DEFAULT_LONG_CHUNK if self.chunk_size < DEFAULT_LONG_CHUNK else 0
+        else:
+            self.long_chunk = check_int("long_chunk", long_chunk, minimum=0)
+            if 0 < self.long_chunk <= self.chunk_size:
+                raise ValueError(
+                    f"long_chunk={long_chunk} must exceed chunk_size={self.chunk_size} (or be 0: no long chunks)"
+                )
         self.read_every = check_int("read_every", read_every, minimum=1)
         self.compile = bool(compile)
         if self.compile and model.attn_impl == "flex" and model.device.type != "cuda":
@@ -108,6 +123,8 @@ class Generator:
                 speculate.check_target(model)
                 speculate.model.check_max_len(self.max_len)
         self.speculate = speculate
+        if isinstance(speculate, DraftModel):
+            self.long_chunk = 0  # a draft model prefills chunk by chunk beside the target (its draft_prefill kind)
         self.draft_cache: StaticKVCache | None = None  # a DraftModel's own cache, allocated with the target's
         self.cache: StaticKVCache | None = None
         self.bufs: StepBuffers | None = None
@@ -153,7 +170,7 @@ class Generator:
         draft_vocab = m.config.vocab_size if draft is not None else 0
         need = generation_bytes(
             m.config, batch, self.max_len, self.chunk_size, len(self.eos_token_ids), m.dtype, kv_heads=m.kv_heads,
-            draft_tokens=K, draft_vocab=draft_vocab,
+            draft_tokens=K, draft_vocab=draft_vocab, long_chunk=self.long_chunk,
         )
         if draft is not None:
             need += cache_bytes(draft.config, batch, self.max_len, draft.dtype, kv_heads=draft.kv_heads)
@@ -166,7 +183,7 @@ class Generator:
         self.cache = m.new_cache(batch, self.max_len)
         self.bufs = StepBuffers.allocate(
             batch, self.chunk_size, self.max_len, m.config.hidden_size, len(self.eos_token_ids),
-            dtype=m.dtype, device=m.device, draft_tokens=K, draft_vocab=draft_vocab,
+            dtype=m.dtype, device=m.device, draft_tokens=K, draft_vocab=draft_vocab, long_chunk=self.long_chunk,
         )
         steps = dict(STEPS)
         if spec is not None:
@@ -272,24 +289,33 @@ class Generator:
         bufs.eos.copy_(torch.tensor(eos + [-1] * (bufs.eos.shape[0] - len(eos)), dtype=torch.int64))
 
     def _prefill(self, rows: list[list[int]]) -> None:
-        """Feed the prompts in chunks of chunk_size slots (the last padded); rows run out at their length."""
-        cache, bufs, C = self.cache, self.bufs, self.chunk_size
+        """Feed the prompts in chunks (the last padded); rows run out at their length. While the longest row has
+        `long_chunk` tokens left, a long chunk runs uncompiled at the exact live read length (see
+        DEFAULT_LONG_CHUNK); the rest goes in chunk_size chunks through the runner (compiled, captured)."""
+        cache, bufs = self.cache, self.bufs
         lens = np.array([len(r) for r in rows] + [0] * (cache.batch - len(rows)), dtype=np.int64)
-        chunk = np.zeros((cache.batch, C), dtype=np.int64)
-        for start in range(0, int(lens.max()), C):
+        start, longest = 0, int(lens.max())
+        while start < longest:
+            long = self.long_chunk > 0 and longest - start >= self.long_chunk
+            C = self.long_chunk if long else self.chunk_size
             n = np.clip(lens - start, 0, C)
-            chunk[:] = 0
+            chunk = np.zeros((cache.batch, C), dtype=np.int64)
             for b, row in enumerate(rows):
                 chunk[b, : n[b]] = row[start : start + n[b]]
             n = cache.validate(n, C)
-            bufs.chunk.copy_(torch.from_numpy(chunk))
+            (bufs.long_chunk if long else bufs.chunk).copy_(torch.from_numpy(chunk))
             bufs.n_new.copy_(torch.from_numpy(n))
-            read_len = self.read_len(int((cache.host_lens + n).max()))
+            longest_after = int((cache.host_lens + n).max())
             with ranges.range(ranges.PREFILL_CHUNK, ranges.COLORS["prefill"]):
-                self.step_fn("prefill", read_len)(self.model, cache, bufs, read_len)
-                if self.draft_cache is not None:
-                    self.step_fn("draft_prefill", read_len)(self.model, cache, bufs, read_len)
+                if long:  # (the caller holds no_grad)
+                    prefill_long(self.model, cache, bufs, longest_after)
+                else:
+                    read_len = self.read_len(longest_after)
+                    self.step_fn("prefill", read_len)(self.model, cache, bufs, read_len)
+                    if self.draft_cache is not None:
+                        self.step_fn("draft_prefill", read_len)(self.model, cache, bufs, read_len)
             cache.commit(n)
+            start += C
 
     def _run(self, req: Request, every: int, keep_cache: bool = False) -> Iterator[list[list[int]]]:
         """Run one checked request, yielding each read-back as a list of new tokens per row. keep_cache: append

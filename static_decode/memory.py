@@ -48,11 +48,13 @@ def buffer_bytes(
     dtype: torch.dtype,
     draft_tokens: int = 0,
     draft_vocab: int = 0,
+    long_chunk: int = 0,
 ) -> int:
     """Bytes of `StepBuffers.allocate(batch, chunk_size, capacity, width, eos_slots, dtype=dtype,
-    draft_tokens=draft_tokens, draft_vocab=draft_vocab)`."""
+    draft_tokens=draft_tokens, draft_vocab=draft_vocab, long_chunk=long_chunk)`."""
     int64_elems = (
         batch * chunk_size  # chunk
+        + batch * long_chunk  # long_chunk
         + batch  # n_new
         + batch  # next ([B, 1])
         + 2 * batch * (capacity + 1)  # out and hist (each with its trash column)
@@ -77,6 +79,7 @@ def generation_bytes(
     kv_heads: int | None = None,
     draft_tokens: int = 0,
     draft_vocab: int = 0,
+    long_chunk: int = 0,
 ) -> int:
     """Device bytes a Generator allocates for `batch` rows of `max_len` tokens: the KV cache (with its one spare
     position) plus the step buffers, whose output holds max_len tokens per row (a draft model's own cache is
@@ -86,7 +89,7 @@ def generation_bytes(
     chunk_size = check_int("chunk_size", chunk_size, minimum=1)
     eos_slots = check_int("eos_slots", eos_slots, minimum=0)
     return cache_bytes(config, batch, max_len, dtype, kv_heads=kv_heads) + buffer_bytes(
-        batch, chunk_size, max_len, config.hidden_size, eos_slots, dtype, draft_tokens, draft_vocab
+        batch, chunk_size, max_len, config.hidden_size, eos_slots, dtype, draft_tokens, draft_vocab, long_chunk
     )
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from static_decode import projection, rope
-from static_decode.attention import DEFAULT_IMPL, IMPLS, grouped_attention
+from static_decode.attention import DEFAULT_IMPL, IMPLS, StepMask, grouped_attention, step_mask
 from static_decode.cache import IntsLike, StaticKVCache
 from static_decode.config import LlamaConfig
 from static_decode.parallel import SINGLE, TensorParallel
@@ -98,6 +98,7 @@ class Attention(nn.Module):
         lens_after: torch.Tensor,
         read_len: int,
         impl: str,
+        mask: StepMask | None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q = _project(self.q_proj, x).view(B, T, self.heads, self.head_dim)  # [B, T, Hq, d]
@@ -110,7 +111,7 @@ class Attention(nn.Module):
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         cache.write(layer, k, v, n_new)  # at the old lengths; padded slots go to the spare row
         k_all, v_all = cache.layer_view(layer, read_len)  # [B, Hkv, read_len, d] views
-        out = grouped_attention(q, k_all, v_all, lens_after, n_new, impl=impl)  # [B, Hq, T, d]
+        out = grouped_attention(q, k_all, v_all, lens_after, n_new, impl=impl, mask=mask)  # [B, Hq, T, d]
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)  # [B, T, Hq_local * d]
         return row_parallel(self.o_proj, out, self.tp)  # [B, T, D], summed over the ranks
 
@@ -236,9 +237,13 @@ class Llama(nn.Module):
         cos, sin = rope.cos_sin(self.inv_freq, positions, self.dtype)  # [B, 1, T, d/2]
         lens_after = cache.lens + n_new  # [B]
         x = self.embed_tokens(tokens)  # [B, T, D]
+        mask = None  # built once for all layers (flex evaluates its mask inside the kernel; no keys: no attention)
+        if self.attn_impl != "flex" and read_len > 0 and T > 0:
+            groups = self.config.num_heads // self.config.num_kv_heads
+            mask = step_mask(lens_after, n_new, T, read_len, groups=groups, dtype=self.dtype, impl=self.attn_impl)
         for i, block in enumerate(self.layers):
             h = block.input_layernorm(x)
-            x = x + block.self_attn(h, cos, sin, cache, i, n_new, lens_after, read_len, self.attn_impl)
+            x = x + block.self_attn(h, cos, sin, cache, i, n_new, lens_after, read_len, self.attn_impl, mask)
             x = x + block.mlp(block.post_attention_layernorm(x))
         cache.advance(n_new)
         return self.norm(x)

@@ -36,7 +36,8 @@ PAD = -1  # out[b, i] past row b's last token (the host fills `out` with it per 
 class StepBuffers:
     """Static device buffers of one Generator (allocated once; the host only fills them).
 
-    B is the cache's batch (rows past a request's batch are kept `done` and fed nothing), C the chunk size,
+    B is the cache's batch (rows past a request's batch are kept `done` and fed nothing), C the chunk size, L the
+    long chunk size (0: no long chunks),
     N the output capacity (max_len), D the model width, E the number of EOS ids (at least 1; -1 entries match
     nothing), K the draft tokens of a speculative verify step (0 without speculation), Q the vocabulary of a draft
     model's probabilities (0 unless a draft model samples). `out` and `hist` have one column more than they can
@@ -44,6 +45,7 @@ class StepBuffers:
     """
 
     chunk: torch.Tensor  # [B, C] int64 prompt chunk, padded with id 0 past n_new
+    long_chunk: torch.Tensor  # [B, L] int64 a long prompt chunk (`prefill_long`; L = 0 when off), padded likewise
     n_new: torch.Tensor  # [B] int64 real tokens per row in `chunk`
     hidden: torch.Tensor  # [B, D] model dtype: final-normed hidden state of each row's last prompt token
     next: torch.Tensor  # [B, 1] int64 the token each row feeds at the next decode step
@@ -75,12 +77,14 @@ class StepBuffers:
         device: torch.device,
         draft_tokens: int = 0,
         draft_vocab: int = 0,
+        long_chunk: int = 0,
     ) -> StepBuffers:
         def z(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dt, device=device)
 
         return cls(
             chunk=z(batch, chunk),
+            long_chunk=z(batch, long_chunk),
             n_new=z(batch),
             hidden=z(batch, width, dt=dtype),
             next=z(batch, 1),
@@ -107,7 +111,17 @@ class StepBuffers:
 
 def prefill_chunk(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
     """Run the model on `bufs.chunk`; keep each row's hidden state at its last real slot (if it has one)."""
-    h = model.hidden_states(bufs.chunk, cache, bufs.n_new, read_len)  # [B, C, D]
+    _prefill(model, cache, bufs, bufs.chunk, read_len)
+
+
+def prefill_long(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
+    """`prefill_chunk` over `bufs.long_chunk`. Not a captured kind: the generator runs it uncompiled, where a
+    chunk is long enough for its GEMMs to decide its time (Generator's `long_chunk`)."""
+    _prefill(model, cache, bufs, bufs.long_chunk, read_len)
+
+
+def _prefill(model: Llama, cache: StaticKVCache, bufs: StepBuffers, tokens: torch.Tensor, read_len: int) -> None:
+    h = model.hidden_states(tokens, cache, bufs.n_new, read_len)  # [B, C, D]
     B, _, D = h.shape
     last = (bufs.n_new - 1).clamp(min=0)  # [B]
     h_last = h.gather(1, last[:, None, None].expand(B, 1, D)).squeeze(1)  # [B, D]

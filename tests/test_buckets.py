@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -95,3 +96,20 @@ def test_of_normalises_user_choice_and_requires_capacity_as_last_rung() -> None:
     assert BucketLadder.of([8, 64], 64).lengths == (8, 64)
     with pytest.raises(ValueError, match="last rung is 32, the cache capacity is max_len=64"):
         BucketLadder.of([16, 32], 64)
+
+
+def test_fine_ladder_is_the_default_where_the_read_length_is_symbolic():
+    from capture import CaptureOptions, CompileSettings
+    from static_decode import Generator, Llama, LlamaConfig
+
+    assert BucketLadder.fine(2048).lengths == (128, 256, 384, 512, 640, 896, 1152, 1536, 1920, 2048)
+    assert BucketLadder.of(None, 2048, fine=True) == BucketLadder.fine(2048)
+    assert BucketLadder.of([8, 2048], 2048, fine=True).lengths == (8, 2048)  # a user's ladder wins
+    config = LlamaConfig(vocab_size=50, hidden_size=24, intermediate_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    model = Llama(config, dtype=torch.float32)
+    lazy = {"warm_up": "lazy", "progress": False}
+    cpu = Generator(model, max_len=2048, batch=1, compile=True, capture=CaptureOptions(**lazy))
+    assert cpu.runner.settings.symbolic_read_len and cpu.runner.ladder == BucketLadder.fine(2048)
+    static = CaptureOptions(settings=CompileSettings(backend="aot_eager"), **lazy)
+    gen = Generator(model, max_len=2048, batch=1, compile=True, capture=static)
+    assert not gen.runner.settings.symbolic_read_len and gen.runner.ladder == BucketLadder.default(2048)

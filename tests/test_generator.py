@@ -279,3 +279,53 @@ def test_flex_attention_is_refused_for_compiled_cpu_steps():
     sdpa = Generator(Llama(model.config, attn_impl="sdpa_folded"), max_len=16)
     sdpa.model.load_state_dict(model.state_dict())
     assert eager.generate([1, 2, 3], 5) == sdpa.generate([1, 2, 3], 5)
+
+
+def test_long_chunks_prefill_the_bulk_uncompiled_and_change_no_token(pair, monkeypatch):
+    """While the longest row has long_chunk tokens left, one long chunk (not a runner launch) at the exact live
+    read length; the rest in chunk_size chunks through the runner. Tokens equal transformers' and long_chunk=0."""
+    import static_decode.generator as generator_module
+
+    hf, model = pair
+    seen = []
+    real = generator_module.prefill_long
+
+    def spy(m, cache, bufs, read_len):
+        seen.append((bufs.n_new.tolist(), read_len, bufs.long_chunk.shape[1]))
+        real(m, cache, bufs, read_len)
+
+    monkeypatch.setattr(generator_module, "prefill_long", spy)
+    gen = Recording(model, max_len=64, chunk_size=4, long_chunk=8, eos_token_ids=[])
+    out = gen.generate(PROMPTS, 6)  # rows of 7, 2 and 19 tokens
+    assert out == [hf_greedy(hf, p, 6, eos=None) for p in PROMPTS]
+    assert out == Generator(model, max_len=64, chunk_size=4, long_chunk=0, eos_token_ids=[]).generate(PROMPTS, 6)
+    # 19 = 8 + 8 (long, while 19 and 11 remain) + 3 (one padded short chunk); read lengths exact: 8, then 16
+    assert seen == [([7, 2, 8], 8, 8), ([0, 0, 8], 16, 8)]
+    assert [k for k, _ in gen.launches][:2] == ["prefill", "first_greedy"]
+    seen.clear()
+    assert gen.generate(PROMPTS[1], 3) == hf_greedy(hf, PROMPTS[1], 3, eos=None) and not seen  # short: no long chunk
+
+
+def test_long_chunks_under_compiled_steps(pair):
+    hf, model = pair
+    torch._dynamo.reset()
+    opts = CaptureOptions(settings=CompileSettings(backend="aot_eager"), warm_up="lazy", progress=False)
+    gen = Generator(model, max_len=40, chunk_size=4, long_chunk=8, compile=True, eos_token_ids=[], capture=opts)
+    assert gen.generate(PROMPTS, 8) == [hf_greedy(hf, p, 8, eos=None) for p in PROMPTS]
+    assert {kind for kind, _ in gen.runner.records} == {"prefill", "first_greedy", "decode_greedy"}
+
+
+def test_long_chunk_checks(model):
+    assert Generator(model, max_len=8).long_chunk == generator_default_long()
+    assert Generator(model, max_len=8, chunk_size=512).long_chunk == 0  # the default is off past chunk_size
+    assert Generator(model, max_len=8, long_chunk=0).long_chunk == 0
+    with pytest.raises(ValueError, match="long_chunk=8 must exceed chunk_size=8"):
+        Generator(model, max_len=8, chunk_size=8, long_chunk=8)
+    with pytest.raises(ValueError, match="long_chunk"):
+        Generator(model, max_len=8, long_chunk=-1)
+
+
+def generator_default_long() -> int:
+    from static_decode.generator import DEFAULT_LONG_CHUNK
+
+    return DEFAULT_LONG_CHUNK

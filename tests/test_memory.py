@@ -24,18 +24,26 @@ def allocated_bytes(cache: StaticKVCache, bufs: StepBuffers) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("batch", "max_len", "chunk", "eos"), [(1, 2, 1, 0), (3, 37, 8, 1), (2, 100, 64, 3)])
-def test_generation_bytes_equals_a_real_allocation(dtype, batch, max_len, chunk, eos):
+@pytest.mark.parametrize(
+    ("batch", "max_len", "chunk", "eos", "long"), [(1, 2, 1, 0, 0), (3, 37, 8, 1, 16), (2, 100, 64, 3, 512)]
+)
+def test_generation_bytes_equals_a_real_allocation(dtype, batch, max_len, chunk, eos, long):
     c = small_config()
     cache = StaticKVCache(batch, c.num_kv_heads, max_len, c.head_dim, layers=c.num_layers, dtype=dtype)
-    bufs = StepBuffers.allocate(batch, chunk, max_len, c.hidden_size, eos, dtype=dtype, device=torch.device("cpu"))
-    assert memory.generation_bytes(c, batch, max_len, chunk, eos, dtype) == allocated_bytes(cache, bufs)
+    bufs = StepBuffers.allocate(
+        batch, chunk, max_len, c.hidden_size, eos, dtype=dtype, device=torch.device("cpu"), long_chunk=long
+    )
+    want = memory.generation_bytes(c, batch, max_len, chunk, eos, dtype, long_chunk=long)
+    assert want == allocated_bytes(cache, bufs)
 
 
 def test_generation_bytes_of_a_generator_includes_what_it_allocated():
     model = Llama(small_config(eos_token_ids=(4, 7)), dtype=torch.float32)
     gen = Generator(model, max_len=40, chunk_size=5, batch=2)
-    want = memory.generation_bytes(model.config, 2, 40, 5, 2, torch.float32, kv_heads=model.kv_heads)
+    assert gen.long_chunk == 512  # the default long prefill chunk has its own buffer
+    want = memory.generation_bytes(
+        model.config, 2, 40, 5, 2, torch.float32, kv_heads=model.kv_heads, long_chunk=gen.long_chunk
+    )
     assert want == allocated_bytes(gen.cache, gen.bufs)
 
 
