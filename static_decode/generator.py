@@ -308,7 +308,8 @@ class Generator:
             longest_after = int((cache.host_lens + n).max())
             with ranges.range(ranges.PREFILL_CHUNK, ranges.COLORS["prefill"]):
                 if long:  # (the caller holds no_grad)
-                    prefill_long(self.model, cache, bufs, longest_after)
+                    fresh = bool((cache.host_lens == 0).all() and (n == C).all())  # causal SDPA, no mask
+                    prefill_long(self.model, cache, bufs, longest_after, fresh=fresh)
                 else:
                     read_len = self.read_len(longest_after)
                     self.step_fn("prefill", read_len)(self.model, cache, bufs, read_len)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from static_decode import projection, rope
-from static_decode.attention import DEFAULT_IMPL, IMPLS, StepMask, grouped_attention, step_mask
+from static_decode.attention import DEFAULT_IMPL, FRESH, IMPLS, StepMask, grouped_attention, step_mask
 from static_decode.cache import IntsLike, StaticKVCache
 from static_decode.config import LlamaConfig
 from static_decode.parallel import SINGLE, TensorParallel
@@ -229,16 +229,19 @@ class Llama(nn.Module):
 
     # ---- device side: the step -----------------------------------------------------------------------------
     def hidden_states(
-        self, tokens: torch.Tensor, cache: StaticKVCache, n_new: torch.Tensor, read_len: int
+        self, tokens: torch.Tensor, cache: StaticKVCache, n_new: torch.Tensor, read_len: int, *, fresh: bool = False
     ) -> torch.Tensor:
-        """The step up to (and including) the final norm: [B, T, D]. Writes K/V and advances the lengths."""
+        """The step up to (and including) the final norm: [B, T, D]. Writes K/V and advances the lengths.
+
+        fresh=True promises (the host checked its mirror) that every row starts empty and fills all T slots and
+        read_len == T: the attention then runs causal SDPA instead of a mask (attention.StepMask.causal)."""
         T = tokens.shape[1]
         positions = cache.lens[:, None] + torch.arange(T, device=tokens.device)  # [B, T] old lens + slot
         cos, sin = rope.cos_sin(self.inv_freq, positions, self.dtype)  # [B, 1, T, d/2]
         lens_after = cache.lens + n_new  # [B]
         x = self.embed_tokens(tokens)  # [B, T, D]
-        mask = None  # built once for all layers (flex evaluates its mask inside the kernel; no keys: no attention)
-        if self.attn_impl != "flex" and read_len > 0 and T > 0:
+        mask = FRESH if fresh else None  # built once for all layers (flex: inside its kernel; no keys: nothing)
+        if not fresh and self.attn_impl != "flex" and read_len > 0 and T > 0:
             groups = self.config.num_heads // self.config.num_kv_heads
             mask = step_mask(lens_after, n_new, T, read_len, groups=groups, dtype=self.dtype, impl=self.attn_impl)
         for i, block in enumerate(self.layers):

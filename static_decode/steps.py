@@ -114,14 +114,19 @@ def prefill_chunk(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_le
     _prefill(model, cache, bufs, bufs.chunk, read_len)
 
 
-def prefill_long(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
+def prefill_long(
+    model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int, *, fresh: bool = False
+) -> None:
     """`prefill_chunk` over `bufs.long_chunk`. Not a captured kind: the generator runs it uncompiled, where a
-    chunk is long enough for its GEMMs to decide its time (Generator's `long_chunk`)."""
-    _prefill(model, cache, bufs, bufs.long_chunk, read_len)
+    chunk is long enough for its GEMMs to decide its time (Generator's `long_chunk`). fresh: every row starts
+    empty and fills the chunk (the host's promise; causal attention, `Llama.hidden_states`)."""
+    _prefill(model, cache, bufs, bufs.long_chunk, read_len, fresh)
 
 
-def _prefill(model: Llama, cache: StaticKVCache, bufs: StepBuffers, tokens: torch.Tensor, read_len: int) -> None:
-    h = model.hidden_states(tokens, cache, bufs.n_new, read_len)  # [B, C, D]
+def _prefill(
+    model: Llama, cache: StaticKVCache, bufs: StepBuffers, tokens: torch.Tensor, read_len: int, fresh: bool = False
+) -> None:
+    h = model.hidden_states(tokens, cache, bufs.n_new, read_len, fresh=fresh)  # [B, C, D]
     B, _, D = h.shape
     last = (bufs.n_new - 1).clamp(min=0)  # [B]
     h_last = h.gather(1, last[:, None, None].expand(B, 1, D)).squeeze(1)  # [B, D]

@@ -184,3 +184,51 @@ def test_sdpa_folded_accepts_cuda_output_layout(monkeypatch: pytest.MonkeyPatch,
     out_c = compiled(q, k, v, cache.lens, torch.tensor(n), impl="sdpa_folded")
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
     torch.testing.assert_close(out_c, expected, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("g", [1, 2, 3])
+def test_a_fresh_chunk_runs_causal_and_equals_the_reference(g: int) -> None:
+    """StepMask.causal (a chunk from position 0 filling every slot, read == T): per-group causal SDPA, exactly
+    rule 3 against the float64 reference; a read longer than the chunk is refused."""
+    import static_decode.attention as attention_module
+    from static_decode.attention import FRESH, grouped_attention
+
+    rng = np.random.default_rng(g)
+    batch, hkv, T, d = 2, 2, 11, 8
+    cache, hist = new_pair(batch, hkv, 16, d, torch.float64)
+    k_new, v_new = rng.standard_normal((2, batch, hkv, T, d))
+    q = rng.standard_normal((batch, hkv * g, T, d))
+    cache.append(to_torch(k_new, torch.float64), to_torch(v_new, torch.float64), [T, T])
+    hist.append(k_new, v_new, [T, T])
+    k, v = cache.layer_view(0, T)
+    expected = attention_vectorised(q, k.numpy(), v.numpy(), hist.lens, [T, T])
+    n_new = torch.tensor([T, T])
+    out = grouped_attention(torch.from_numpy(q), k, v, cache.lens, n_new, mask=FRESH)
+    np.testing.assert_allclose(out.numpy(), expected, atol=1e-12, rtol=0)
+    per_group = attention_module._causal_per_group(torch.from_numpy(q), k, v)  # the form used off the CPU
+    np.testing.assert_allclose(per_group.numpy(), expected, atol=1e-12, rtol=0)
+    k, v = cache.layer_view(0, T + 1)
+    with pytest.raises(ValueError, match="reads exactly its own 11 keys, got a read of 12"):
+        grouped_attention(torch.from_numpy(q), k, v, cache.lens, n_new, mask=FRESH)
+
+
+def test_a_fresh_chunk_reads_k_and_v_in_place() -> None:
+    """Rule 2 on the causal path: no repeat, no copy of K or V (the CPU kernel maps the GQA heads itself)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from static_decode.attention import FRESH, grouped_attention
+
+    T, d = 64, 16
+    k, v = torch.randn(2, 1, 3, T + 1, d)[:, :, :, :T]  # [1, Hkv, T, d] strided like the cache
+    q = torch.randn(1, 9, T, d)
+    lens = torch.tensor([T])
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        grouped_attention(q, k, v, lens, lens, mask=FRESH)
+    copies = [
+        (ev.name, shape)
+        for ev in prof.events()
+        if ev.name in {"aten::copy_", "aten::clone", "aten::repeat_interleave", "aten::repeat", "aten::contiguous"}
+        for shape in ev.input_shapes
+        if len(shape) >= 2 and tuple(shape[-2:]) == (T, d) and shape[-3:-2] != [9]
+    ]
+    assert not copies

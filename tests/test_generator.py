@@ -290,9 +290,9 @@ def test_long_chunks_prefill_the_bulk_uncompiled_and_change_no_token(pair, monke
     seen = []
     real = generator_module.prefill_long
 
-    def spy(m, cache, bufs, read_len):
-        seen.append((bufs.n_new.tolist(), read_len, bufs.long_chunk.shape[1]))
-        real(m, cache, bufs, read_len)
+    def spy(m, cache, bufs, read_len, fresh):
+        seen.append((bufs.n_new.tolist(), read_len, bufs.long_chunk.shape[1], fresh))
+        real(m, cache, bufs, read_len, fresh=fresh)
 
     monkeypatch.setattr(generator_module, "prefill_long", spy)
     gen = Recording(model, max_len=64, chunk_size=4, long_chunk=8, eos_token_ids=[])
@@ -300,8 +300,16 @@ def test_long_chunks_prefill_the_bulk_uncompiled_and_change_no_token(pair, monke
     assert out == [hf_greedy(hf, p, 6, eos=None) for p in PROMPTS]
     assert out == Generator(model, max_len=64, chunk_size=4, long_chunk=0, eos_token_ids=[]).generate(PROMPTS, 6)
     # 19 = 8 + 8 (long, while 19 and 11 remain) + 3 (one padded short chunk); read lengths exact: 8, then 16
-    assert seen == [([7, 2, 8], 8, 8), ([0, 0, 8], 16, 8)]
+    assert seen == [([7, 2, 8], 8, 8, False), ([0, 0, 8], 16, 8, False)]  # ragged rows: masked attention
     assert [k for k, _ in gen.launches][:2] == ["prefill", "first_greedy"]
+    seen.clear()
+    # One row from empty filling the chunk: causal attention without a mask (attention.StepMask.causal), then not.
+    assert gen.generate(PROMPTS[2], 6) == out[2]
+    assert seen == [([8, 0, 0], 8, 8, False), ([8, 0, 0], 16, 8, False)]  # the batch-3 cache's idle rows: masked
+    seen.clear()
+    one = Generator(model, max_len=64, chunk_size=4, long_chunk=8, eos_token_ids=[])
+    assert one.generate(PROMPTS[2], 6) == out[2]
+    assert seen == [([8], 8, 8, True), ([8], 16, 8, False)]
     seen.clear()
     assert gen.generate(PROMPTS[1], 3) == hf_greedy(hf, PROMPTS[1], 3, eos=None) and not seen  # short: no long chunk
 

@@ -87,10 +87,10 @@ class GeneratorSystem:
         kinds = GREEDY_KINDS if spec is None else (*GREEDY_KINDS, *speculative_kinds(spec, greedy=True))
         if spec is not None:
             max_len += spec.tokens  # the last verify step writes its drafts past the longest request
-        ladder = BucketLadder.of([max_len] if name == "full-read" else None, max_len)
+        ladder = BucketLadder.of([max_len], max_len) if name == "full-read" else None  # None: the runner's default
         opts = CaptureOptions(buckets=ladder, settings=settings, kinds=kinds, progress=False)
         self.gen = Generator(model, max_len=max_len, batch=1, compile=True, capture=opts, speculate=spec)
-        rungs = ",".join(map(str, ladder.lengths))
+        rungs = ",".join(map(str, self.gen.runner.ladder.lengths))
         self.mode = f"compiled ({self.gen.runner.settings.describe()}), reads rungs [{rungs}]"
         if spec is not None:
             self.mode += f", prompt lookup ({spec.tokens} drafts, {spec.ngram}-gram, adaptive)"
