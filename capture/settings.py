@@ -39,13 +39,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._inductor.config as inductor_config
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 # Measured on the embedded default model (profiles/compile_cpu.md): the C++ wrapper is the fastest CPU
-# setting there. Override with CompileSettings(...) when your CPU model says otherwise.
-CPU_OPTIONS: Mapping[str, Any] = {"cpp_wrapper": True}
+# setting there. Building its kernels apart from the wrapper (`cpp_wrapper_build_separate`, where this torch has
+# it) halves a cold capture of SmolLM2-135M (prefill + greedy first + greedy decode, max_len 2048, empty caches:
+# 299 -> 158 s in one process; 236 -> 155 s run alone) at the same ms/token (40.6 vs 40.4 interleaved): the one
+# huge translation unit of a 30-layer step is what g++ spends the minutes on (profiles/RESULTS.md, "Capture").
+# Regional compilation (torch.compiler.nested_compile_region per layer half: 82 s) is not usable with the C++
+# wrapper in torch 2.13 (it cannot generate invoke_subgraph) and the Python wrapper decodes 10% slower.
+# Override with CompileSettings(...) when your CPU model says otherwise.
+CPU_OPTIONS: Mapping[str, Any] = {"cpp_wrapper": True} | (
+    {"cpp_wrapper_build_separate": True} if hasattr(inductor_config, "cpp_wrapper_build_separate") else {}
+)
 
 # Graphs a compiled step may hold beyond its own read buckets before dynamo's recompile limit stops it. Extra
 # graphs are not expected (the guards count recompiles and the tests pin them at zero); the margin keeps one
