@@ -46,9 +46,9 @@ CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 # Measured on the embedded default model (profiles/compile_cpu.md): the C++ wrapper is the fastest CPU
 # setting there. Building its kernels apart from the wrapper (`cpp_wrapper_build_separate`, where this torch has
-# it) halves a cold capture of SmolLM2-135M (prefill + greedy first + greedy decode, max_len 2048, empty caches:
-# 299 -> 158 s in one process; 236 -> 155 s run alone) at the same ms/token (40.6 vs 40.4 interleaved): the one
-# huge translation unit of a 30-layer step is what g++ spends the minutes on (profiles/RESULTS.md, "Capture").
+# it) cuts a cold compile of SmolLM2-135M's greedy decode step (max_len 2048, empty caches, run alone) from 165 to
+# 110 s at the same ms/token (40.6 vs 40.4, interleaved): g++ no longer optimises the wrapper of a 30-layer step
+# as one huge translation unit with its kernels (profiles/RESULTS.md, "Capture").
 # Regional compilation (torch.compiler.nested_compile_region per layer half: 82 s) is not usable with the C++
 # wrapper in torch 2.13 (it cannot generate invoke_subgraph) and the Python wrapper decodes 10% slower.
 # Override with CompileSettings(...) when your CPU model says otherwise.
