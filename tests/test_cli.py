@@ -174,3 +174,15 @@ def test_python_dash_m():
         check=False,
     )
     assert done.returncode == 0 and "generate" in done.stdout and "demo" in done.stdout
+
+
+def test_generate_long_chunk_flag(plain, capsys):
+    base = ["generate", "--model", str(plain), "--prompt-ids", "3,1,4,1,5,9,2,6,5,3", "--max-new-tokens", "6",
+            "--chunk-size", "2", "--device", "cpu"]
+    expected = Generator(load_model(plain), max_len=16, long_chunk=0).generate([3, 1, 4, 1, 5, 9, 2, 6, 5, 3], 6)
+    for long in ("4", "0"):  # 10 prompt tokens: two long chunks of 4 then one of 2; or five of 2
+        rc, out, err = run(capsys, *base, "--long-chunk", long)
+        assert rc == 0, err
+        assert out.splitlines()[1] == "new ids: " + " ".join(map(str, expected))
+    rc, _, err = run(capsys, *base, "--long-chunk", "2")
+    assert rc == 2 and "long_chunk=2 must exceed chunk_size=2" in err and "Traceback" not in err

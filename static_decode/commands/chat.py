@@ -83,8 +83,8 @@ def run_chat(args: argparse.Namespace) -> int:
     max_len = args.max_len or min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)
     spec = speculation(args, model)
     capture = capture_options(args.compile, args.temperature, spec)
-    gen = Generator(model, max_len=max_len, chunk_size=args.chunk_size, batch=1, compile=args.compile,
-                    capture=capture, speculate=spec)
+    gen = Generator(model, max_len=max_len, chunk_size=args.chunk_size, long_chunk=args.long_chunk, batch=1,
+                    compile=args.compile, capture=capture, speculate=spec)
     session = ChatSession(gen, tokenizer, template)
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
     interactive = tp.rank == 0 and sys.stdin.isatty()
@@ -126,6 +126,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-len", type=int, default=None, help=f"cache positions for the conversation "
                    f"(default: {DEFAULT_MAX_LEN}, or the model's limit if smaller)")
     p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="prompt slots per prefill step")
+    p.add_argument("--long-chunk", type=int, default=None,
+                   help="slots of an uncompiled long prefill step, used while a prompt has that many left "
+                   "(default: 512 when larger than --chunk-size; 0 = off)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")

@@ -25,6 +25,9 @@ def add_generation_arguments(p: argparse.ArgumentParser, *, demo: bool = False) 
     p.add_argument("--max-new-tokens", type=int, default=200 if demo else 64, help="most tokens to generate")
     p.add_argument("--max-len", type=int, default=None, help="cache length (default: prompt + new)")
     p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="prompt slots per prefill step")
+    p.add_argument("--long-chunk", type=int, default=None,
+                   help="slots of an uncompiled long prefill step, used while a prompt has that many left "
+                   "(default: 512 when larger than --chunk-size; 0 = off)")
     p.add_argument("--read-every", type=int, default=DEFAULT_READ_EVERY, help="decode steps per read-back")
     p.add_argument("--temperature", type=float, default=0.8 if demo else 0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
@@ -90,7 +93,8 @@ def run_generate(args: argparse.Namespace) -> int:
     max_len = args.max_len or len(prompt) + args.max_new_tokens + (0 if spec is None else spec.tokens)
     capture = capture_options(args.compile, args.temperature, spec)
     gen = Generator(
-        model, max_len=max_len, chunk_size=args.chunk_size, compile=args.compile, capture=capture, speculate=spec
+        model, max_len=max_len, chunk_size=args.chunk_size, long_chunk=args.long_chunk, compile=args.compile,
+        capture=capture, speculate=spec,
     )
     tokens = gen.stream(
         prompt,
