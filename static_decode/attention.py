@@ -50,11 +50,17 @@ DEFAULT_IMPL = "sdpa_folded"  # measured: profiles/attention_cpu.md
 
 def chunk_mask(lens: torch.Tensor, n_new: torch.Tensor, slots: int, keys: int) -> torch.Tensor:
     """[B, T, S] bool: may slot t of row b see key s. lens counts the chunk; n_new its real tokens."""
+    return _visible_and_real(lens, n_new, slots, keys)[0]
+
+
+def _visible_and_real(
+    lens: torch.Tensor, n_new: torch.Tensor, slots: int, keys: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     t = torch.arange(slots, device=lens.device)  # [T]
     s = torch.arange(keys, device=lens.device)  # [S]
     pos = (lens - n_new)[:, None] + t  # [B, T] absolute position of each slot
     real = t < n_new[:, None]  # [B, T]
-    return (s <= pos[:, :, None]) & real[:, :, None]  # [B, T, S]
+    return (s <= pos[:, :, None]) & real[:, :, None], real  # [B, T, S], [B, T]
 
 
 class StepMask(NamedTuple):
@@ -81,8 +87,7 @@ def step_mask(
 ) -> StepMask:
     """The mask of a step whose rows hold `lens` tokens after appending `n_new` (device tensors), `slots` query
     slots, `keys` keys read, `groups` query heads per KV head; `impl` decides which forms are built."""
-    visible = chunk_mask(lens, n_new, slots, keys)  # [B, T, S]
-    real = torch.arange(slots, device=lens.device) < n_new[:, None]  # [B, T]
+    visible, real = _visible_and_real(lens, n_new, slots, keys)  # [B, T, S], [B, T]
     bias = None
     if impl == "sdpa_folded":
         B = visible.shape[0]

@@ -240,8 +240,11 @@ class Llama(nn.Module):
         cos, sin = rope.cos_sin(self.inv_freq, positions, self.dtype)  # [B, 1, T, d/2]
         lens_after = cache.lens + n_new  # [B]
         x = self.embed_tokens(tokens)  # [B, T, D]
-        mask = FRESH if fresh else None  # built once for all layers (flex: inside its kernel; no keys: nothing)
-        if not fresh and self.attn_impl != "flex" and read_len > 0 and T > 0:
+        # The mask, built once for all layers (flex evaluates its own inside the kernel; no keys or slots: none).
+        mask: StepMask | None = None
+        if fresh:
+            mask = FRESH
+        elif self.attn_impl != "flex" and read_len > 0 and T > 0:
             groups = self.config.num_heads // self.config.num_kv_heads
             mask = step_mask(lens_after, n_new, T, read_len, groups=groups, dtype=self.dtype, impl=self.attn_impl)
         for i, block in enumerate(self.layers):
