@@ -38,9 +38,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -250,3 +251,18 @@ def cache_counts() -> dict[str, int]:
         "autograd_hit": int(aot.get("autograd_cache_hit", 0)),
         "autograd_miss": int(aot.get("autograd_cache_miss", 0)),
     }
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def own_copy(fn: F) -> F:
+    """`fn` with a code object and a globals dict of its own. Dynamo keeps its cache entries on the code object
+    and installs each compiled graph as a global of the compiled frame (`__compiled_fn_N`); under CUDA graphs
+    those graphs hold the static-address tensors they were compiled over (cache, buffers) as attributes. With the
+    shared step functions all of that would live as long as the process; with a copy per runner it goes when the
+    runner goes (a regrowth, a new Generator), and each runner's recompile count is its own."""
+    own_globals = dict(fn.__globals__)  # a snapshot of the function's module's names (functions, torch, PAD)
+    copy = types.FunctionType(fn.__code__.replace(), own_globals, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    return copy

@@ -109,7 +109,9 @@ class StepRegistry:
     before_call: run before every warm-up call of a pair: resets what a call consumes (an output index, say),
         since under CUDA graphs a pair is called `warm_up_calls` times inside one scratch context;
     fallback: run a kind eagerly (and say why in its records) when it fails to compile or capture;
-    compile_cache: where compiles read and write inductor's caches (None: the environment's).
+    compile_cache: where compiles read and write inductor's caches (None: the environment's);
+    around: a context entered around every call of a compiled step, warm-up included (the runner installs its
+        layer regions, capture.regions, for the step's tracing and guards); not around an eager fallback.
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class StepRegistry:
         before_call: Callable[[], Any] | None = None,
         fallback: bool = False,
         compile_cache: CompileCache | None = None,
+        around: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     ) -> None:
         global _GRAPHS_REQUESTED
         if not isinstance(ladder, BucketLadder):
@@ -146,6 +149,7 @@ class StepRegistry:
         self.args = tuple(args)
         self.scratch = scratch
         self.before_call = before_call
+        self.around = around
         self._eager = dict(steps)
         # Kinds whose read length is symbolic: every bucketed kind under symbolic_read_len (an unbucketed kind is
         # always called with 0, which dynamo would specialise anyway).
@@ -225,13 +229,14 @@ class StepRegistry:
         cudagraphs = self.cudagraphs and not eager
         # Every call, not only the compiling one: should anything ever recompile the kind, it stays symbolic.
         symbolic = kind in self.symbolic and not eager
+        around = self.around if self.around is not None and not eager else contextlib.nullcontext
 
         def call(*a: Any) -> Any:
             if fixed is not None:
                 a = (*a[:-1], fixed)
             elif symbolic:
                 a = (*a[:-1], dc.dynamic_int(a[-1]))
-            with torch.no_grad():
+            with torch.no_grad(), around():
                 if cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()  # earlier outputs may now be overwritten
                 out = fn(*a)

@@ -13,17 +13,20 @@ registry's compiled step). What is decided here, not in the generator:
 * the compile settings: `CompileSettings.for_device` unless given, aware of a tensor-parallel model's
   collectives backend; fallback to eager per kind by default only for a tensor-parallel model;
 * the compile cache: `CaptureOptions.compile_cache` as a `capture.compile_cache.CompileCache` on the cache's
-  device.
+  device;
+* layer regions (`CompileSettings.layer_regions`, the CPU default): the blocks compile apart, once for every
+  kind (capture.regions), installed on the model around each compiled call.
 """
 
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Iterable, Mapping
 
+from capture import _dynamo_counters as dc
 from capture.buckets import BucketLadder
 from capture.compile_cache import CompileCache
+from capture.regions import LayerRegions
 from capture.registry import Pair, StepRegistry, preserving
 from capture.report import CaptureRecord, CaptureReport
 from capture.settings import CaptureOptions, CompileSettings
@@ -31,17 +34,7 @@ from static_decode.cache import StaticKVCache
 from static_decode.model import Llama
 from static_decode.steps import STEPS, UNBUCKETED, StepBuffers, StepFn
 
-
-def _own_copy(fn: StepFn) -> StepFn:
-    """`fn` with a code object and a globals dict of its own. Dynamo keeps its cache entries on the code object
-    and installs each compiled graph as a global of the compiled frame (`__compiled_fn_N`); under CUDA graphs
-    those graphs hold the static-address tensors they were compiled over (cache, buffers) as attributes. With the
-    shared step functions all of that would live as long as the process; with a copy per runner it goes when the
-    runner goes (a regrowth, a new Generator), and each runner's recompile count is its own."""
-    own_globals = dict(fn.__globals__)  # a snapshot of static_decode.steps' names (functions, torch, PAD)
-    copy = types.FunctionType(fn.__code__.replace(), own_globals, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
-    return copy
+REGION_SHAPES = 3  # chunk shapes a region compiles for: decode (1), a prefill chunk, a speculative verify step
 
 
 class CompiledRunner:
@@ -70,9 +63,11 @@ class CompiledRunner:
 
         tp = model.tp
         settings = opts.settings or CompileSettings.for_device(cache.device, collectives=tp.backend())
-        self._fns = {kind: _own_copy(fn) for kind, fn in (STEPS if steps is None else steps).items()}
+        self._fns = {kind: dc.own_copy(fn) for kind, fn in (STEPS if steps is None else steps).items()}
+        ladder = BucketLadder.of(opts.buckets, cache.max_len, fine=settings.symbolic_read_len)
+        self.regions = self._regions(model, cache, settings, ladder)
         self.registry = StepRegistry(
-            self._fns, BucketLadder.of(opts.buckets, cache.max_len, fine=settings.symbolic_read_len),
+            self._fns, ladder,
             args=(model, cache, bufs),
             device=cache.device, settings=settings, unbucketed=UNBUCKETED,
             static_tensors=[*(t for c in caches for t in (c.k, c.v)), *live], scratch=idle,
@@ -81,9 +76,27 @@ class CompiledRunner:
             before_call=bufs.step.zero_,
             fallback=tp.enabled if opts.fallback is None else opts.fallback,
             compile_cache=None if opts.compile_cache is None else CompileCache(opts.compile_cache, cache.device),
+            around=None if self.regions is None else self.regions.installed,
         )
         if opts.warm_up == "all":
             self.warm_up(opts.kinds, progress=opts.progress)
+
+    @staticmethod
+    def _regions(
+        model: Llama, cache: StaticKVCache, settings: CompileSettings, ladder: BucketLadder
+    ) -> LayerRegions | None:
+        """The layer regions `settings` asks for (capture.regions), or None: a whole-step graph. A tensor-parallel
+        model keeps the whole step (its all-reduces stay in one graph)."""
+        if not settings.layer_regions or model.tp.enabled:
+            return None
+        if settings.cudagraphs(cache.device):
+            raise ValueError(
+                f"layer_regions={settings.layer_regions} needs steps without CUDA graphs (a graph replays kernels, "
+                f"not the Python that calls a region); settings: {settings.describe()}"
+            )
+        # Region graphs: one per chunk shape (decode 1, the prefill chunk, a verify step), per rung when static.
+        graphs = REGION_SHAPES * (1 if settings.symbolic_read_len else len(ladder))
+        return LayerRegions(model, cache, settings, regions=settings.layer_regions, graphs=graphs)
 
     def close(self) -> None:
         """Drop the compiled steps: their cache entries, the graphs installed as globals and (under CUDA graphs)
@@ -94,6 +107,8 @@ class CompiledRunner:
         for fn in self._fns.values():
             torch._dynamo.reset_code(fn.__code__)  # this runner's own copies only: other runners keep theirs
         self._fns.clear()
+        if self.regions is not None:
+            self.regions.close()
         self.registry = None
 
     # ---- the StepRunner protocol -------------------------------------------------------------------------

@@ -159,22 +159,7 @@ class StaticKVCache(torch.nn.Module):
         k_new, v_new: [B, Hkv, T, d]; n_new: [B] int64 on the cache's device. Uses the *old* lengths, so call
         it for every layer before `advance`.
         """
-        B, H, T, d = k_new.shape
-        dev = n_new.device
-        t = torch.arange(T, device=dev)  # [T]
-        pos = torch.where(t < n_new[:, None], self.lens[:, None] + t, self.max_len)  # [B, T]
-        # index_put_ on the whole buffer, not scatter_ on the view k[layer]: inductor cannot reinplace a
-        # mutation of a view of a graph input, so the compiled step copied the entire K/V buffer (all layers,
-        # all of max_len) once per layer per step (~9x slower decode at max_len 2048; profiles/RESULTS.md,
-        # "Decode benchmark"). This form is reinplaced: only the new slots are written.
-        index = (
-            torch.full((), layer, dtype=torch.int64, device=dev),
-            torch.arange(B, device=dev)[:, None, None],  # [B, 1, 1]
-            torch.arange(H, device=dev)[None, :, None],  # [1, Hkv, 1]
-            pos[:, None, :],  # [B, 1, T]
-        )  # broadcasts to [B, Hkv, T], the leading dims of k_new
-        self.k.index_put_(index, k_new)
-        self.v.index_put_(index, v_new)
+        write_slots(self.k, self.v, self.lens, self.max_len, layer, k_new, v_new, n_new)
 
     def advance(self, n_new: torch.Tensor) -> None:
         """lens += n_new on the device (once per step, after every layer is written)."""
@@ -183,6 +168,12 @@ class StaticKVCache(torch.nn.Module):
     def layer_view(self, layer: int, read_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer up to read_len: views of the buffers, never copies. [B, Hkv, read_len, d]."""
         return self.k[layer, :, :, :read_len], self.v[layer, :, :, :read_len]
+
+    def span(self, start: int, stop: int) -> LayerSpan:
+        """Layers start..stop-1 as a `LayerSpan` (views of the buffers and the same lengths; no copy)."""
+        if not 0 <= start < stop <= self.layers:
+            raise ValueError(f"layer span {start}..{stop} must lie within 0..{self.layers} and hold a layer")
+        return LayerSpan(self.k[start:stop], self.v[start:stop], self.lens, self.max_len)
 
     # ---- the single-layer convenience and housekeeping ---------------------------------------------------
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, n_new: IntsLike) -> None:
@@ -214,3 +205,56 @@ class StaticKVCache(torch.nn.Module):
         if not longest <= read_len <= self.max_len:
             raise ValueError(f"read_len={read_len} must lie in {longest}..{self.max_len} (the longest row)")
         return int(read_len)
+
+
+def write_slots(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: torch.Tensor,
+    max_len: int,
+    layer: int,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    n_new: torch.Tensor,
+) -> None:
+    """`StaticKVCache.write` over K/V buffers [layers, B, Hkv, max_len + spare, d] (a cache's, or a span's)."""
+    B, H, T, d = k_new.shape
+    dev = n_new.device
+    t = torch.arange(T, device=dev)  # [T]
+    pos = torch.where(t < n_new[:, None], lens[:, None] + t, max_len)  # [B, T]
+    # index_put_ on the whole buffer, not scatter_ on the view k[layer]: inductor cannot reinplace a
+    # mutation of a view of a graph input, so the compiled step copied the entire K/V buffer (all layers,
+    # all of max_len) once per layer per step (~9x slower decode at max_len 2048; profiles/RESULTS.md,
+    # "Decode benchmark"). This form is reinplaced: only the new slots are written.
+    index = (
+        torch.full((), layer, dtype=torch.int64, device=dev),
+        torch.arange(B, device=dev)[:, None, None],  # [B, 1, 1]
+        torch.arange(H, device=dev)[None, :, None],  # [1, Hkv, 1]
+        pos[:, None, :],  # [B, 1, T]
+    )  # broadcasts to [B, Hkv, T], the leading dims of k_new
+    k.index_put_(index, k_new)
+    v.index_put_(index, v_new)
+
+
+class LayerSpan:
+    """Some consecutive layers of a cache: what one compiled region of layers reads and writes.
+
+    k, v: [n, B, Hkv, max_len + spare, d] (views of a cache's buffers, or a region's graph inputs); lens: the
+    cache's device lengths (shared, not copied). Layer j of the span is layer start + j of the cache. Only the
+    device side (`write`, `layer_view`): the host mirror and `advance` stay with the cache.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, max_len: int) -> None:
+        self.k, self.v, self.lens, self.max_len = k, v, lens, max_len
+
+    @property
+    def layers(self) -> int:
+        return self.k.shape[0]
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, n_new: torch.Tensor) -> None:
+        """`StaticKVCache.write` for layer `layer` of the span."""
+        write_slots(self.k, self.v, self.lens, self.max_len, layer, k_new, v_new, n_new)
+
+    def layer_view(self, layer: int, read_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layer `layer` of the span up to read_len: views. [B, Hkv, read_len, d]."""
+        return self.k[layer, :, :, :read_len], self.v[layer, :, :, :read_len]

@@ -21,6 +21,9 @@ every rank. At world 1 the code path is exactly the single-process one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -28,7 +31,7 @@ from torch import nn
 
 from static_decode import projection, rope
 from static_decode.attention import DEFAULT_IMPL, FRESH, IMPLS, StepMask, grouped_attention, step_mask
-from static_decode.cache import IntsLike, StaticKVCache
+from static_decode.cache import IntsLike, LayerSpan, StaticKVCache
 from static_decode.config import LlamaConfig
 from static_decode.parallel import SINGLE, TensorParallel
 
@@ -92,7 +95,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: StaticKVCache,
+        cache: StaticKVCache | LayerSpan,
         layer: int,
         n_new: torch.Tensor,
         lens_after: torch.Tensor,
@@ -148,6 +151,66 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, dtype=dtype, device=device, tp=tp)
 
 
+def mask_for(
+    impl: str,
+    groups: int,
+    lens_after: torch.Tensor,
+    n_new: torch.Tensor,
+    T: int,
+    read_len: int,
+    dtype: torch.dtype,
+    *,
+    fresh: bool = False,
+) -> StepMask | None:
+    """The attention mask of one step, built once and shared by the layers: FRESH for a fresh chunk (causal
+    SDPA, no mask), None where there is nothing to mask (flex evaluates its own inside the kernel; no keys or
+    no slots), else `attention.step_mask`."""
+    if fresh:
+        return FRESH
+    if impl == "flex" or read_len <= 0 or T <= 0:
+        return None
+    return step_mask(lens_after, n_new, T, read_len, groups=groups, dtype=dtype, impl=impl)
+
+
+def run_blocks(
+    blocks: Sequence[Block],
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: StaticKVCache | LayerSpan,
+    n_new: torch.Tensor,
+    lens_after: torch.Tensor,
+    read_len: int,
+    impl: str,
+    mask: StepMask | None,
+) -> torch.Tensor:
+    """x [B, T, D] through `blocks` in order; block j writes and reads layer j of `kv` (the whole cache for the
+    whole model, a `LayerSpan` for a region of it). The unit capture.regions compiles apart."""
+    for j, block in enumerate(blocks):
+        h = block.input_layernorm(x)
+        x = x + block.self_attn(h, cos, sin, kv, j, n_new, lens_after, read_len, impl, mask)
+        x = x + block.mlp(block.post_attention_layernorm(x))
+    return x
+
+
+class LayerRunner(Protocol):
+    """Runs every block of a compiled step in place of `run_blocks` over the whole model (capture.regions: the
+    layers split into regions, each compiled apart and called as one opaque op). Same contract as the loop:
+    writes each layer's K/V at the old lengths, does not advance them, returns x after the last block."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: StaticKVCache,
+        n_new: torch.Tensor,
+        lens_after: torch.Tensor,
+        read_len: int,
+        fresh: bool,
+    ) -> torch.Tensor: ...
+
+
 class Llama(nn.Module):
     """A Llama-family causal LM whose attention reads and writes a `StaticKVCache`.
 
@@ -157,6 +220,8 @@ class Llama(nn.Module):
     """
 
     inv_freq: torch.Tensor
+    # Set by the capture layer around the calls of its compiled steps (capture.regions); read only while tracing.
+    layer_runner: LayerRunner | None = None
 
     def __init__(
         self,
@@ -240,17 +305,14 @@ class Llama(nn.Module):
         cos, sin = rope.cos_sin(self.inv_freq, positions, self.dtype)  # [B, 1, T, d/2]
         lens_after = cache.lens + n_new  # [B]
         x = self.embed_tokens(tokens)  # [B, T, D]
-        # The mask, built once for all layers (flex evaluates its own inside the kernel; no keys or slots: none).
-        mask: StepMask | None = None
-        if fresh:
-            mask = FRESH
-        elif self.attn_impl != "flex" and read_len > 0 and T > 0:
+        if self.layer_runner is not None and torch.compiler.is_compiling():
+            # A compiled step whose blocks run as separately compiled layer regions (capture.regions, the CPU
+            # default): the runner is traced as opaque calls; eager steps always take the inline loop below.
+            x = self.layer_runner(x, cos, sin, cache, n_new, lens_after, read_len, fresh)
+        else:
             groups = self.config.num_heads // self.config.num_kv_heads
-            mask = step_mask(lens_after, n_new, T, read_len, groups=groups, dtype=self.dtype, impl=self.attn_impl)
-        for i, block in enumerate(self.layers):
-            h = block.input_layernorm(x)
-            x = x + block.self_attn(h, cos, sin, cache, i, n_new, lens_after, read_len, self.attn_impl, mask)
-            x = x + block.mlp(block.post_attention_layernorm(x))
+            mask = mask_for(self.attn_impl, groups, lens_after, n_new, T, read_len, self.dtype, fresh=fresh)
+            x = run_blocks(self.layers, x, cos, sin, cache, n_new, lens_after, read_len, self.attn_impl, mask)
         cache.advance(n_new)
         return self.norm(x)
 

@@ -1,0 +1,80 @@
+"""Layer regions (capture.regions): the blocks compiled apart and called from the step graphs as one op per span.
+
+The counting and token cases use backend="eager" (dynamo's graphs, no inductor) on a tiny random model; the
+inductor case over the embedded model is tests/test_capture.py's `compiled` fixture (the CPU default has regions):
+its tokens equal the eager generator's, its graphs per kind are pinned, and a profiler test checks that the
+region op writes the cache in place.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from capture import CaptureOptions, CompileSettings, count_compiles
+from capture.regions import spans
+from static_decode import Generator, Llama, LlamaConfig
+
+CFG = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2)
+REGIONS = CompileSettings(backend="eager", symbolic_read_len=True, layer_regions=2)
+PROMPTS = [[5, 9, 2, 7, 7], [3] * 11 + [4, 8], [1, 2]]
+
+
+@pytest.fixture(scope="module")
+def model() -> Llama:
+    torch.manual_seed(0)
+    return Llama(CFG)
+
+
+def test_spans_are_equal_and_cover_the_layers() -> None:
+    assert spans(30, 2) == ((0, 15), (15, 30))
+    assert spans(4, 3) == ((0, 2), (2, 4))  # 3 does not divide 4: the largest divisor below it
+    assert spans(7, 2) == ((0, 7),)  # a prime layer count: one span (still compiled apart from the step)
+    assert spans(2, 8) == ((0, 1), (1, 2))
+    with pytest.raises(ValueError, match="regions=0"):
+        spans(4, 0)
+
+
+def test_settings_default_and_refusals() -> None:
+    assert CompileSettings.for_device("cpu").layer_regions == 2
+    assert CompileSettings.for_device("cuda").layer_regions == 0  # CUDA graphs replay the whole step
+    assert "2 layer regions" in CompileSettings.for_device("cpu").describe()
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="layer_regions"):
+            CompileSettings(layer_regions=bad)
+
+
+def test_runner_refuses_regions_under_cuda_graphs(model: Llama, monkeypatch) -> None:
+    monkeypatch.setattr(CompileSettings, "cudagraphs", lambda self, device: True)
+    with pytest.raises(ValueError, match="layer_regions=2 needs steps without CUDA graphs"):
+        Generator(model, max_len=32, chunk_size=8, batch=1, compile=True,
+                  capture=CaptureOptions(settings=REGIONS, warm_up="lazy", progress=False))
+
+
+def test_regions_give_eager_tokens_and_compile_once_for_every_kind(model: Llama) -> None:
+    torch._dynamo.reset()
+    eager = Generator(model, max_len=64, chunk_size=8, batch=3, eos_token_ids=[])
+    with count_compiles() as c:
+        gen = Generator(model, max_len=64, chunk_size=8, batch=3, compile=True, eos_token_ids=[],
+                        capture=CaptureOptions(buckets=(32, 64), settings=REGIONS, progress=False))
+    assert gen.runner.regions.spans == ((0, 2), (2, 4))
+    graphs = {}
+    for r in gen.capture_records:
+        graphs[r.kind] = graphs.get(r.kind, 0) + r.graphs
+    # Each step kind its own small graph; the region once per chunk shape (prefill 8, decode 1) for all kinds and
+    # both spans: the first decoding kind warmed up compiles it, the other reuses it.
+    decoding = sorted(k for k in ("decode", "decode_greedy") if graphs[k] == 2)
+    assert graphs["prefill"] == 2 and len(decoding) == 1 and graphs["first"] == graphs["first_greedy"] == 1
+    assert c.counts.graphs == sum(graphs.values()) == 7 and c.counts.graph_breaks == 0
+    assert gen.generate(PROMPTS, 10) == eager.generate(PROMPTS, 10)
+    assert gen.generate(PROMPTS, 10, temperature=0.9, seed=3) == eager.generate(PROMPTS, 10, temperature=0.9, seed=3)
+    assert model.layer_runner is None  # installed only around compiled calls
+    gen.runner.close()
+    torch._dynamo.reset()
+
+
+def test_a_whole_step_setting_has_no_regions(model: Llama) -> None:
+    gen = Generator(model, max_len=32, chunk_size=8, batch=1, compile=True, capture=CaptureOptions(
+        settings=CompileSettings(backend="eager", symbolic_read_len=True), warm_up="lazy", progress=False))
+    assert gen.runner.regions is None
+    assert gen.generate([[1, 2, 3]], 4) == Generator(model, max_len=32, chunk_size=8).generate([[1, 2, 3]], 4)
