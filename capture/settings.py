@@ -53,9 +53,11 @@ CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 # Override with CompileSettings(...) when your CPU model says otherwise.
 CPU_OPTIONS: Mapping[str, Any] = {"cpp_wrapper": True}
 
-# Layer regions on the CPU (capture.regions): the blocks compile apart in 2 equal spans, once for every step kind.
-# Measured on SmolLM2-135M (profiles/RESULTS.md, "Layer regions"): cold capture of the greedy kinds ~3x faster, decode
-# ~1% slower than the whole-step graph; 5 spans compiled faster still but cost more per token (one opaque call each).
+# Layer regions on the CPU (capture.regions), opt-in: `CompileSettings(options=CPU_OPTIONS, symbolic_read_len=True,
+# layer_regions=CPU_LAYER_REGIONS)`. Measured on SmolLM2-135M (profiles/RESULTS.md, "Layer regions"): cold capture of
+# the greedy kinds ~3x faster, decode ~1% slower than the whole-step graph; 5 spans compiled faster still but cost
+# more per token (one opaque call each). Not yet the default: capture-report's committed baselines, the compile-cache
+# and soak tests pin the whole-step graph counts and were not re-recorded in the session that built it.
 CPU_LAYER_REGIONS = 2
 
 # Graphs a compiled step may hold beyond its own read buckets before dynamo's recompile limit stops it. Extra
@@ -121,7 +123,7 @@ class CompileSettings:
                 return cls()
             return cls(mode="reduce-overhead")
         if device.type == "cpu":
-            return cls(options=CPU_OPTIONS, symbolic_read_len=True, layer_regions=CPU_LAYER_REGIONS)
+            return cls(options=CPU_OPTIONS, symbolic_read_len=True)
         return cls()
 
     def cudagraphs(self, device: torch.device | str) -> bool:

@@ -1,9 +1,8 @@
 """Layer regions (capture.regions): the blocks compiled apart and called from the step graphs as one op per span.
 
-The counting and token cases use backend="eager" (dynamo's graphs, no inductor) on a tiny random model; the
-inductor case over the embedded model is tests/test_capture.py's `compiled` fixture (the CPU default has regions):
-its tokens equal the eager generator's, its graphs per kind are pinned, and a profiler test checks that the
-region op writes the cache in place.
+The counting and token cases use backend="eager" (dynamo's graphs, no inductor) on a tiny random model; one
+inductor case over the embedded model checks tokens against eager and that the region op writes the cache in place
+(inductor must reinplace the op's declared mutation of K/V).
 """
 
 from __future__ import annotations
@@ -13,11 +12,14 @@ import torch
 
 from capture import CaptureOptions, CompileSettings, count_compiles
 from capture.regions import spans
-from static_decode import Generator, Llama, LlamaConfig
+from capture.settings import CPU_LAYER_REGIONS, CPU_OPTIONS
+from static_decode import Generator, Llama, LlamaConfig, load_model
+from static_decode.loading import default_model_path
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2)
 REGIONS = CompileSettings(backend="eager", symbolic_read_len=True, layer_regions=2)
 PROMPTS = [[5, 9, 2, 7, 7], [3] * 11 + [4, 8], [1, 2]]
+INDUCTOR_REGIONS = CompileSettings(options=CPU_OPTIONS, symbolic_read_len=True, layer_regions=CPU_LAYER_REGIONS)
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +38,9 @@ def test_spans_are_equal_and_cover_the_layers() -> None:
 
 
 def test_settings_default_and_refusals() -> None:
-    assert CompileSettings.for_device("cpu").layer_regions == 2
+    assert CompileSettings.for_device("cpu").layer_regions == 0  # opt-in (capture.settings.CPU_LAYER_REGIONS)
     assert CompileSettings.for_device("cuda").layer_regions == 0  # CUDA graphs replay the whole step
-    assert "2 layer regions" in CompileSettings.for_device("cpu").describe()
+    assert "2 layer regions" in INDUCTOR_REGIONS.describe()
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="layer_regions"):
             CompileSettings(layer_regions=bad)
@@ -78,3 +80,25 @@ def test_a_whole_step_setting_has_no_regions(model: Llama) -> None:
         settings=CompileSettings(backend="eager", symbolic_read_len=True), warm_up="lazy", progress=False))
     assert gen.runner.regions is None
     assert gen.generate([[1, 2, 3]], 4) == Generator(model, max_len=32, chunk_size=8).generate([[1, 2, 3]], 4)
+
+
+def test_inductor_regions_equal_eager_and_write_the_cache_in_place() -> None:
+    """Rule 1 through the region op: a functional copy of K/V would show as an aten op over a whole
+    [L, B, Hkv, S, d] buffer in the profile of a generation."""
+    torch._dynamo.reset()
+    embedded = load_model(default_model_path())
+    opts = CaptureOptions(buckets=(32, 64), settings=INDUCTOR_REGIONS, kinds=("prefill", "first_greedy",
+                          "decode_greedy"), progress=False)
+    gen = Generator(embedded, max_len=64, chunk_size=8, batch=3, compile=True, eos_token_ids=[], capture=opts)
+    eager = Generator(embedded, max_len=64, chunk_size=8, batch=3, eos_token_ids=[])
+    assert gen.generate(PROMPTS, 8) == eager.generate(PROMPTS, 8)
+    whole = list(gen.cache.k.shape)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        gen.generate(PROMPTS, 4)
+    events = list(prof.events())
+    # The profile saw the region ops, with the whole buffers as their inputs (so a copy would match the shape too).
+    assert any("layer_region" in e.name and any(list(s) == whole for s in e.input_shapes) for e in events)
+    copies = [e.name for e in events if e.name.startswith("aten::") and any(list(s) == whole for s in e.input_shapes)]
+    assert not [c for c in copies if c in ("aten::copy_", "aten::clone", "aten::index_put", "aten::empty_like")]
+    gen.runner.close()
+    torch._dynamo.reset()
