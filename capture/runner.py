@@ -14,7 +14,7 @@ registry's compiled step). What is decided here, not in the generator:
   collectives backend; fallback to eager per kind by default only for a tensor-parallel model;
 * the compile cache: `CaptureOptions.compile_cache` as a `capture.compile_cache.CompileCache` on the cache's
   device;
-* layer regions (`CompileSettings.layer_regions`, the CPU default): the blocks compile apart, once for every
+* layer regions (`CompileSettings.layer_regions`, opt-in): the blocks compile apart, once for every
   kind (capture.regions), installed on the model around each compiled call.
 """
 
