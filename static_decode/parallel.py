@@ -131,7 +131,15 @@ class TensorParallel:
         import torch.distributed as dist
         import torch.distributed._functional_collectives as funcol
 
-        return funcol.all_reduce(x, "sum", self.group if self.group is not None else dist.group.WORLD)
+        group = self.group if self.group is not None else dist.group.WORLD
+        if torch.compiler.is_compiling():
+            return funcol.all_reduce(x, "sum", group)
+        # Eager: the same functional op and its wait, without funcol's AsyncCollectiveTensor wrapper. That wrapper
+        # keeps the process group alive past destroy_process_group (torch 2.13), so gloo's worker threads outlive
+        # it into the interpreter's teardown, where one still dropping a collective's tensor takes the GIL and
+        # aborts the process ("terminate called without an active exception", ~1 run in 12 on a loaded host).
+        out = torch.ops._c10d_functional.all_reduce(x, "sum", group.group_name)  # same shape as x
+        return torch.ops._c10d_functional.wait_tensor(out)
 
     def backend(self) -> str | None:
         """The collectives backend ("nccl", "gloo", ...) of the group; None at world 1."""

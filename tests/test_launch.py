@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,3 +167,43 @@ def test_chat_on_two_ranks_prints_what_one_process_prints(tmp_path):
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     assert sharded.stdout == single.stdout and single.stdout.count("\n") >= 2
     assert sharded.stderr.count("[turn 2: prefilled") == 1  # rank 0 prints
+
+
+_TEARDOWN = """
+import os, sys, torch
+from static_decode.commands import launch
+
+def gloo_threads():
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+        except OSError:
+            pass
+    return sorted(n for n in names if "gloo" in n)
+
+with launch.session("cpu") as run:
+    import torch._dynamo  # as every compiled step does, after the group exists
+    total = run.tp.all_reduce(torch.full((4,), float(run.tp.rank + 1)))
+    with torch.inference_mode():
+        total = run.tp.all_reduce(total)
+    line = run.tp.from_rank0("hi" if run.tp.rank == 0 else None)
+    during = gloo_threads()
+with open(os.path.join(sys.argv[1], f"rank{run.tp.rank}.txt"), "w") as f:
+    f.write(f"{total.tolist()} {line} {during != []} {gloo_threads()}")
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc (Linux)")
+def test_leaving_a_session_stops_the_collectives_threads(tmp_path):
+    """The process group dies with the session: no gloo thread lives on into the interpreter's teardown, where one
+    still releasing a collective's tensor would take the GIL and abort the process (a rank 'terminate called
+    without an active exception' at exit, seen in CI). funcol's eager AsyncCollectiveTensor kept it alive."""
+    script = tmp_path / "teardown.py"
+    script.write_text(_TEARDOWN)
+    env = _env() | {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path])}
+    r = subprocess.run([sys.executable, *_torchrun(2), str(script), str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):  # (1 + 2) summed, then summed again; the line rank 0 shared; threads during, none after
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "[6.0, 6.0, 6.0, 6.0] hi True []"

@@ -13,6 +13,7 @@ those variables (or with WORLD_SIZE=1) nothing here touches torch.distributed.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import sys
 from collections.abc import Iterator
@@ -94,6 +95,13 @@ def session(requested_device: str | None = None) -> Iterator[Launch]:
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks on one CPU share its cores; torch's default (every core per rank) oversubscribes them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # Imported before the group exists, on purpose: torch._dynamo and the functional collectives, imported after
+    # init_process_group, keep the group alive past destroy_process_group (torch 2.13), and so its gloo worker
+    # threads live on into the interpreter's teardown, where one releasing a collective's tensor takes the GIL and
+    # aborts the process ("terminate called without an active exception"; tests/test_launch.py).
+    for name in ("torch._dynamo", "torch.distributed._functional_collectives"):
+        importlib.import_module(name)
+
     dist.init_process_group(backend, rank=rank, world_size=world)
     stdout, stderr = sys.stdout, sys.stderr
     quiet = open(os.devnull, "w") if rank != 0 else None  # noqa: SIM115 (closed in finally)
