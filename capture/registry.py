@@ -112,6 +112,8 @@ class StepRegistry:
     compile_cache: where compiles read and write inductor's caches (None: the environment's);
     around: a context entered around every call of a compiled step, warm-up included (the runner installs its
         layer regions, capture.regions, for the step's tracing and guards); not around an eager fallback.
+    nested_graphs: a running count of the graphs compiled by what the steps call at run time apart from their own
+        graph (the layer regions); each record splits its compiles into `graphs` (the step's) and `region_graphs`.
     """
 
     def __init__(
@@ -129,6 +131,7 @@ class StepRegistry:
         fallback: bool = False,
         compile_cache: CompileCache | None = None,
         around: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        nested_graphs: Callable[[], int] | None = None,
     ) -> None:
         global _GRAPHS_REQUESTED
         if not isinstance(ladder, BucketLadder):
@@ -150,6 +153,7 @@ class StepRegistry:
         self.scratch = scratch
         self.before_call = before_call
         self.around = around
+        self.nested_graphs = nested_graphs
         self._eager = dict(steps)
         # Kinds whose read length is symbolic: every bucketed kind under symbolic_read_len (an unbucketed kind is
         # always called with 0, which dynamo would specialise anyway).
@@ -297,6 +301,7 @@ class StepRegistry:
         mem0 = _reserved(self.device)
         out = None
         cache = self.compile_cache.active() if self.compile_cache is not None else contextlib.nullcontext()
+        nested0 = self.nested_graphs() if self.nested_graphs is not None else 0
         with ranges.range(ranges.capture_name(kind, read_len)), cache, count_compiles() as counter, torch.no_grad():
             t0 = time.perf_counter()
             try:
@@ -311,12 +316,14 @@ class StepRegistry:
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - t0
         c = counter.counts
+        nested = (self.nested_graphs() if self.nested_graphs is not None else 0) - nested0
         mem1 = _reserved(self.device)
         record = CaptureRecord(
             kind=kind,
             read_len=read_len,
             seconds=seconds,
-            graphs=c.graphs,
+            graphs=c.graphs - nested,
+            region_graphs=nested,
             graph_breaks=c.graph_breaks,
             recompiles=c.recompiles,
             cudagraph_skips=c.cudagraph_skips,

@@ -34,6 +34,10 @@ class CaptureRecord:
     cudagraph_skips: int  # reduce-overhead fell back to no CUDA graph (0 on CUDA; CPU never uses them)
     pool_bytes: int | None = None  # CUDA: allocator memory reserved during the capture; None elsewhere
     fallback: str = ""  # why this kind runs its eager step instead ("" = compiled; see StepRegistry fallback)
+    # Layer-region graphs (capture.regions) this pair's first calls compiled, apart from `graphs`: a region is
+    # compiled once per chunk shape for every kind, so whichever kind runs a shape first pays it. Not checked
+    # per pair against a baseline (it depends on the order the kinds warm up); `graphs` is the step's own.
+    region_graphs: int = 0
 
 
 @dataclass
@@ -50,7 +54,12 @@ class CaptureReport:
 
     @property
     def graphs(self) -> int:
-        return sum(r.graphs for r in self.records)
+        """Every graph compiled: the steps' own and the layer regions'."""
+        return sum(r.graphs + r.region_graphs for r in self.records)
+
+    @property
+    def region_graphs(self) -> int:
+        return sum(r.region_graphs for r in self.records)
 
     @property
     def graph_breaks(self) -> int:
@@ -79,6 +88,8 @@ class CaptureReport:
             f"{kind} {g} for {b} bucket{'s' if b != 1 else ''}" for kind, (g, b) in self.graphs_per_kind().items()
         )
         per_kind = f" ({per_kind})" if per_kind else ""
+        if self.region_graphs:
+            per_kind += f" + {self.region_graphs} layer-region graph{'s' if self.region_graphs != 1 else ''}"
         return (
             f"{len(self.records)} (kind, bucket) pairs in {self.seconds:.1f} s: {self.graphs} graphs{per_kind}, "
             f"{self.graph_breaks} graph breaks, {self.cudagraph_skips} cudagraph skips{eager} "
@@ -150,7 +161,8 @@ class CaptureReport:
         from rich.table import Table
 
         t = Table(title=f"capture: {self.settings} on {self.device}, torch {torch.__version__}")
-        columns = ("kind", "bucket", "compile s", "graphs", "breaks", "recompiles", "cg skips", "pool MiB", "runs")
+        columns = ("kind", "bucket", "compile s", "graphs", "regions", "breaks", "recompiles", "cg skips", "pool MiB",
+                   "runs")
         for name in columns:
             t.add_column(name, justify="left" if name in ("kind", "runs") else "right", no_wrap=name != "runs")
         for r in self.records:
@@ -160,6 +172,7 @@ class CaptureReport:
                 str(r.read_len),
                 f"{r.seconds:.2f}",
                 str(r.graphs),
+                str(r.region_graphs),
                 str(r.graph_breaks),
                 str(r.recompiles),
                 str(r.cudagraph_skips),

@@ -14,7 +14,7 @@ registry's compiled step). What is decided here, not in the generator:
   collectives backend; fallback to eager per kind by default only for a tensor-parallel model;
 * the compile cache: `CaptureOptions.compile_cache` as a `capture.compile_cache.CompileCache` on the cache's
   device;
-* layer regions (`CompileSettings.layer_regions`, opt-in): the blocks compile apart, once for every
+* layer regions (`CompileSettings.layer_regions`, the CPU default): the blocks compile apart, once for every
   kind (capture.regions), installed on the model around each compiled call.
 """
 
@@ -77,6 +77,7 @@ class CompiledRunner:
             fallback=tp.enabled if opts.fallback is None else opts.fallback,
             compile_cache=None if opts.compile_cache is None else CompileCache(opts.compile_cache, cache.device),
             around=None if self.regions is None else self.regions.installed,
+            nested_graphs=None if self.regions is None else self.regions.graphs_compiled,
         )
         if opts.warm_up == "all":
             self.warm_up(opts.kinds, progress=opts.progress)

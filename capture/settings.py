@@ -53,11 +53,10 @@ CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 # Override with CompileSettings(...) when your CPU model says otherwise.
 CPU_OPTIONS: Mapping[str, Any] = {"cpp_wrapper": True}
 
-# Layer regions on the CPU (capture.regions), opt-in: `CompileSettings(options=CPU_OPTIONS, symbolic_read_len=True,
-# layer_regions=CPU_LAYER_REGIONS)`. Measured on SmolLM2-135M (profiles/RESULTS.md, "Layer regions"): cold capture of
-# the greedy kinds ~3x faster, decode ~1% slower than the whole-step graph; 5 spans compiled faster still but cost
-# more per token (one opaque call each). Not yet the default: capture-report's committed baselines, the compile-cache
-# and soak tests pin the whole-step graph counts and were not re-recorded in the session that built it.
+# Layer regions on the CPU (capture.regions), the CPU default. Measured on SmolLM2-135M (profiles/RESULTS.md, "Layer
+# regions"): cold capture of the greedy kinds ~3x faster, decode ~1% slower than the whole-step graph; 5 spans
+# compiled faster still but cost more per token (one opaque call each). `layer_regions=0` keeps the whole step in
+# one graph (the fastest token once compiled, for long-lived servers with a warm compile cache).
 CPU_LAYER_REGIONS = 2
 
 # Graphs a compiled step may hold beyond its own read buckets before dynamo's recompile limit stops it. Extra
@@ -111,7 +110,7 @@ class CompileSettings:
     @classmethod
     def for_device(cls, device: torch.device | str, *, collectives: str | None = None) -> CompileSettings:
         """The measured default: reduce-overhead (CUDA graphs) and a static read length on CUDA; the C++ wrapper
-        and a symbolic read length on CPU (the module docstring says why).
+        a symbolic read length and layer regions on CPU (the module docstring says why).
 
         collectives: the torch.distributed backend the steps' all-reduces run on (tensor parallelism), or
         None. NCCL collectives can be captured in a CUDA graph; any other backend on CUDA tensors (gloo)
@@ -123,7 +122,7 @@ class CompileSettings:
                 return cls()
             return cls(mode="reduce-overhead")
         if device.type == "cpu":
-            return cls(options=CPU_OPTIONS, symbolic_read_len=True)
+            return cls(options=CPU_OPTIONS, symbolic_read_len=True, layer_regions=CPU_LAYER_REGIONS)
         return cls()
 
     def cudagraphs(self, device: torch.device | str) -> bool:

@@ -100,8 +100,14 @@ def test_warm_up_compiles_at_most_two_graphs_per_kind_over_every_bucket(compiled
     gen, counts, _ = compiled
     assert gen.runner.settings.symbolic_read_len  # the CPU default
     n = GRAPHS_PER_SYMBOLIC_KIND
+    assert gen.runner.regions is not None  # the CPU default: the blocks compile apart (capture.regions)
     assert _per_kind(gen) == {"prefill": (n, 4), "first_greedy": (1, 1), "decode_greedy": (n, 4)}
-    assert counts.graphs == 2 * n + 1 <= 2 * len(GREEDY)  # the contract: at most 2 per kind, whatever the rungs
+    # The layer regions: one graph per chunk shape (prefill's chunk, decode's one token), paid by the first pair
+    # of each shape and reported apart; every dynamo graph is one of the two kinds.
+    regions = {p: r.region_graphs for p, r in gen.runner.records.items() if r.region_graphs}
+    top = max(EMBEDDED_LADDER)  # warm-up runs the largest rung first
+    assert regions == {("prefill", top): n, ("decode_greedy", top): n}, regions
+    assert counts.graphs == 2 * n + 1 + 2 * n <= 2 * len(GREEDY) + 2  # at most 2 per kind, + 1 per region shape
     assert (counts.graph_breaks, counts.cudagraph_skips) == (0, 0)
     records = gen.runner.records
     pairs = [("first_greedy", 0)] + [(k, b) for k in ("prefill", "decode_greedy") for b in EMBEDDED_LADDER]

@@ -55,7 +55,7 @@ CHILD = textwrap.dedent(
     seconds = time.perf_counter() - t0
     print(json.dumps({
         "counts": cache_counts(), "seconds": seconds, "env_kept": os.environ.get("TORCHINDUCTOR_CACHE_DIR") == env,
-        "graphs": sum(r.graphs for r in gen.capture_records),
+        "graphs": sum(r.graphs + r.region_graphs for r in gen.capture_records),
         "tokens": gen.generate([[5, 9, 2]], 20, stop_at_eos=False),
     }))
     """
@@ -85,7 +85,8 @@ def test_a_new_process_with_the_same_directory_skips_inductor(tmp_path: Path) ->
     assert first["counts"]["fxgraph_miss"] > 0 and first["counts"]["fxgraph_hit"] == 0
     assert second["counts"]["fxgraph_hit"] > 0 and second["counts"]["fxgraph_miss"] == 0
     assert second["counts"]["autograd_hit"] > 0 and second["counts"]["autograd_miss"] == 0
-    assert first["graphs"] == second["graphs"] == 2  # first_greedy, and decode_greedy once for both rungs
+    # first_greedy, decode_greedy once for both rungs, and the one-token layer region (capture.regions)
+    assert first["graphs"] == second["graphs"] == 3
     assert first["tokens"] == second["tokens"]
     assert first["env_kept"] and second["env_kept"]
     assert (directory / "inductor" / "fxgraph").is_dir() and not (directory / cc.ARTIFACTS).exists()  # CPU

@@ -38,7 +38,7 @@ def test_spans_are_equal_and_cover_the_layers() -> None:
 
 
 def test_settings_default_and_refusals() -> None:
-    assert CompileSettings.for_device("cpu").layer_regions == 0  # opt-in (capture.settings.CPU_LAYER_REGIONS)
+    assert CompileSettings.for_device("cpu").layer_regions == CPU_LAYER_REGIONS == 2  # the CPU default
     assert CompileSettings.for_device("cuda").layer_regions == 0  # CUDA graphs replay the whole step
     assert "2 layer regions" in INDUCTOR_REGIONS.describe()
     for bad in (-1, 1.5, True):
@@ -60,14 +60,16 @@ def test_regions_give_eager_tokens_and_compile_once_for_every_kind(model: Llama)
         gen = Generator(model, max_len=64, chunk_size=8, batch=3, compile=True, eos_token_ids=[],
                         capture=CaptureOptions(buckets=(32, 64), settings=REGIONS, progress=False))
     assert gen.runner.regions.spans == ((0, 2), (2, 4))
-    graphs = {}
+    graphs, regions = {}, {}
     for r in gen.capture_records:
         graphs[r.kind] = graphs.get(r.kind, 0) + r.graphs
+        regions[r.kind] = regions.get(r.kind, 0) + r.region_graphs
     # Each step kind its own small graph; the region once per chunk shape (prefill 8, decode 1) for all kinds and
-    # both spans: the first decoding kind warmed up compiles it, the other reuses it.
-    decoding = sorted(k for k in ("decode", "decode_greedy") if graphs[k] == 2)
-    assert graphs["prefill"] == 2 and len(decoding) == 1 and graphs["first"] == graphs["first_greedy"] == 1
-    assert c.counts.graphs == sum(graphs.values()) == 7 and c.counts.graph_breaks == 0
+    # both spans, reported apart: the first decoding kind warmed up compiles it, the other reuses it.
+    assert graphs == dict.fromkeys(("prefill", "first", "first_greedy", "decode", "decode_greedy"), 1)
+    decoding = sorted(k for k in ("decode", "decode_greedy") if regions[k] == 1)
+    assert regions["prefill"] == 1 and len(decoding) == 1 and regions["first"] == regions["first_greedy"] == 0
+    assert c.counts.graphs == sum(graphs.values()) + sum(regions.values()) == 7 and c.counts.graph_breaks == 0
     assert gen.generate(PROMPTS, 10) == eager.generate(PROMPTS, 10)
     assert gen.generate(PROMPTS, 10, temperature=0.9, seed=3) == eager.generate(PROMPTS, 10, temperature=0.9, seed=3)
     assert model.layer_runner is None  # installed only around compiled calls

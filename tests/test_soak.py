@@ -16,8 +16,9 @@ Compile cost decides the shape of the run: on this 2-core CPU each sampled (kind
 inductor lowering when the on-disk inductor cache is cold (the counter-hash noise inlines into a large
 expression), a greedy one 2-10 s. So prompts stay within the first rung (prefill compiles once), sampled
 requests stay within the first rung too (first + decode at 48), and only greedy requests cross into the second
-rung: 6 (kind, rung) pairs, 5 graphs with the CPU default's symbolic read length (decode_greedy's second rung
-reuses its graph; 2 graphs for it on a torch without DynamicInt).
+rung: 6 (kind, rung) pairs, 5 step graphs with the CPU default's symbolic read length (decode_greedy's second
+rung reuses its graph; 2 graphs for it on a torch without DynamicInt), and 2 layer-region graphs (T = CHUNK and
+T = 1, each compiled once for every kind).
 """
 
 from __future__ import annotations
@@ -121,6 +122,10 @@ def test_soak_compiled_equals_eager_with_no_recompile_and_flat_memory() -> None:
         assert records[("decode_greedy", 96)].graphs == 1  # warmed up largest rung first: it compiled
         per_kind = CaptureReport(records=list(records.values()), seconds=0.0).graphs_per_kind()
         assert all(g == 1 for g, _ in per_kind.values()) or not has_dynamic_int(), per_kind
+        # The CPU default's layer regions: the first kind of each chunk shape also compiles that shape's region
+        # (prefill: T = CHUNK, decode: T = 1); every later kind reuses it.
+        regions = {p: r.region_graphs for p, r in records.items() if r.region_graphs}
+        assert regions == {("prefill", 48): 1, ("decode", 48): 1} or not has_dynamic_int(), regions
         eager = Generator(model, max_len=MAX_LEN, chunk_size=CHUNK, eos_token_ids=[EOS])
 
         rng = np.random.default_rng(20261130)

@@ -24,7 +24,7 @@ from capture.compile_cache import cache_counts
 from capture.report import CaptureReport
 from capture.settings import CaptureOptions, CompileSettings
 from static_decode.commands.args import check_device, int_list, name_list
-from static_decode.generator import Generator
+from static_decode.generator import DEFAULT_CHUNK_SIZE, Generator
 from static_decode.loading import default_model_path, load_model
 
 
@@ -108,7 +108,8 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("capture-report", help="compile every (kind, bucket) and report graphs, breaks, skips")
     p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: embedded model)")
     p.add_argument("--max-len", type=int, default=4096, help="cache capacity (the ladder's last bucket)")
-    p.add_argument("--chunk-size", type=int, default=64, help="prompt slots per prefill step")
+    p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
+                   help=f"prompt slots per prefill step (default {DEFAULT_CHUNK_SIZE}, the generator's)")
     p.add_argument("--batch", type=int, default=1, help="cache rows")
     p.add_argument("--buckets", type=int_list, default=None, help="read lengths, e.g. 256,1024,4096 (default ladder)")
     p.add_argument("--kinds", type=name_list, default=None,
