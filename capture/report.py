@@ -88,10 +88,12 @@ class CaptureReport:
             f"{kind} {g} for {b} bucket{'s' if b != 1 else ''}" for kind, (g, b) in self.graphs_per_kind().items()
         )
         per_kind = f" ({per_kind})" if per_kind else ""
+        graphs = f"{self.graphs} graphs{per_kind}"
         if self.region_graphs:
-            per_kind += f" + {self.region_graphs} layer-region graph{'s' if self.region_graphs != 1 else ''}"
+            r = self.region_graphs
+            graphs = f"{self.graphs - r} step graphs{per_kind} + {r} layer-region graph{'s' if r != 1 else ''}"
         return (
-            f"{len(self.records)} (kind, bucket) pairs in {self.seconds:.1f} s: {self.graphs} graphs{per_kind}, "
+            f"{len(self.records)} (kind, bucket) pairs in {self.seconds:.1f} s: {graphs}, "
             f"{self.graph_breaks} graph breaks, {self.cudagraph_skips} cudagraph skips{eager} "
             f"({self.settings} on {self.device})"
         )

@@ -96,3 +96,20 @@ def test_json_round_trip_and_differences() -> None:
     assert report.differences(back) == []
     other = CaptureReport([CaptureRecord("decode", 64, 9.0, 1, 0, 3, 1, 5)], seconds=9.0)
     assert report.differences(other) == ["decode @ 64: cudagraph_skips = 0, baseline 1"]  # seconds etc. ignored
+
+
+def test_region_graphs_are_counted_apart_and_not_checked_per_pair() -> None:
+    """Layer-region graphs go to whichever pair first ran a chunk shape: counted in the totals, shown apart in the
+    summary, and not compared per pair (a baseline of every kind holds them on other pairs than a greedy run)."""
+    records = [CaptureRecord("prefill", 64, 1.0, 1, 0, 0, 0, region_graphs=1),
+               CaptureRecord("first_greedy", 0, 1.0, 1, 0, 0, 0),
+               CaptureRecord("decode_greedy", 64, 1.0, 1, 0, 0, 0, region_graphs=1)]
+    report = CaptureReport(records, seconds=3.0, settings="s", device="cpu")
+    assert (report.graphs, report.region_graphs) == (5, 2)
+    assert report.summary().startswith(
+        "3 (kind, bucket) pairs in 3.0 s: 3 step graphs (prefill 1 for 1 bucket, first_greedy 1 for 1 bucket, "
+        "decode_greedy 1 for 1 bucket) + 2 layer-region graphs, 0 graph breaks")
+    moved = [records[0], records[1], CaptureRecord("decode_greedy", 64, 1.0, 1, 0, 0, 0, region_graphs=0)]
+    assert report.differences(CaptureReport(moved, seconds=1.0)) == []
+    assert report.differences(CaptureReport([*records[:2], CaptureRecord("decode_greedy", 64, 1.0, 2, 0, 0, 0)],
+                                            seconds=1.0)) == ["decode_greedy @ 64: graphs = 1, baseline 2"]
