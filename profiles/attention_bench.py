@@ -155,6 +155,8 @@ def time_attention(
     n_new = torch.full((1,), slots, dtype=torch.int64, device=device)
     fn = grouped_attention
     if compiled:
+        # One graph per (impl, length): more than dynamo's default recompile limit over a few impls and lengths.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         fn = torch.compile(grouped_attention, dynamic=False, fullgraph=True)
     scratch = torch.zeros(_SCRATCH_BYTES // 4, device=device) if flush else None
     times: dict[str, list[float]] = {impl: [] for impl in impls}
@@ -196,7 +198,7 @@ def attention_rows(
             impls, length, slots=slots, dtype=dtype, device=device, repeats=repeats, compiled=compiled
         )
         for impl, t in timed.items():
-            gbps = live_kv_bytes(length, dtype) / (t["best_ms"] / 1e3) / 1e9
+            gbps = live_kv_bytes(length, dtype, HKV, HEAD_DIM) / (t["best_ms"] / 1e3) / 1e9
             flops = 4 * HQ * slots * length * HEAD_DIM  # QK^T and PV over every (slot, key) pair, masked or not
             rows.append(
                 {
@@ -313,6 +315,7 @@ def markdown(rows: list[dict[str, object]], bandwidth_gbps: float) -> str:
 
 
 def main() -> None:
+    global WAIT_IDLE_S, HQ, HKV, HEAD_DIM
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from {IMPLS}")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
@@ -327,6 +330,8 @@ def main() -> None:
         help="also time torch.compile(grouped_attention); with --gemms, add compiled reduction forms",
     )
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--heads", default=f"{HQ},{HKV},{HEAD_DIM}",
+                        help="query heads, KV heads, head dim (default Llama-3.1-8B's; SmolLM2-135M: 9,3,64)")
     parser.add_argument(
         "--wait-idle",
         type=float,
@@ -349,8 +354,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    global WAIT_IDLE_S
     WAIT_IDLE_S = args.wait_idle
+    HQ, HKV, HEAD_DIM = (int(x) for x in args.heads.split(","))
+    if HQ % HKV:
+        parser.error(f"--heads {args.heads}: query heads must be a multiple of KV heads")
     impls = tuple(args.impls.split(","))
     bad = [i for i in impls if i not in IMPLS]
     if bad:

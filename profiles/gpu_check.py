@@ -164,9 +164,18 @@ def attention(sh: Shape, steps: int, device: torch.device, copy_bytes_per_s: flo
     ab.HQ, ab.HKV, ab.HEAD_DIM = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eager = tuple(i for i in IMPLS if i != "flex")
     kw = {"dtype": sh.dtype, "device": device, "repeats": 5, "bandwidth_gbps": copy_bytes_per_s / 1e9}
-    rows = ab.attention_rows(sh.lengths, eager, **kw)
+    runs = [(impl, False) for impl in eager]
     if device.type == "cuda" and backend == "inductor":
-        rows += ab.attention_rows(sh.lengths, ("flex", "sdpa_folded"), compiled=True, **kw)
+        runs += [(impl, True) for impl in ("flex", "sdpa_folded", "split_key")]
+    rows = []
+    for impl, compiled in runs:
+        # One impl at a time: a formulation that fails on this device (split_key's CUDA kernel has not run on a
+        # GPU yet) costs its own rows, not the rest of a scarce GPU session.
+        try:
+            rows += ab.attention_rows(sh.lengths, (impl,), compiled=compiled, **kw)
+        except Exception as e:  # noqa: BLE001 - recorded per row and reported
+            why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+            rows += [{"impl": impl + ("+compile" if compiled else ""), "length": n, "error": why} for n in sh.lengths]
     for r in rows:
         print(json.dumps(r), flush=True)
     return rows
@@ -260,6 +269,9 @@ def table(result: dict) -> str:
         lines += ["", "decode attention alone (one layer, one query per head), live K/V bytes / best time:", "",
                   "| impl | live | ms | GB/s | of copy |", "| --- | ---: | ---: | ---: | ---: |"]
         for r in result["attention"]:
+            if "error" in r:
+                lines.append(f"| {r['impl']} | {r['length']} | failed: {r['error']} | | |")
+                continue
             lines.append(f"| {r['impl']} | {r['length']} | {r['ms']:.4f} | {r['gbps']:.0f} | "
                          f"{r['bandwidth_fraction']:.0%} |")
     return "\n".join(lines) + "\n"

@@ -7,7 +7,7 @@ Slot t of row b sits at absolute position lens[b] - n_new[b] + t (lens counts th
 sees keys 0..that position. Slots t >= n_new[b] return exact zeros. The mask is built from the lengths, not
 as a T x T triangle, so a chunk appended after cached tokens sees those tokens too.
 
-Four formulations, all reading K and V in place (no copy, no KV repeat; checked by
+Six formulations, all reading K and V in place (no copy, no KV repeat; checked by
 `profiles/attention_bench.py --trace`). Numbers in profiles/attention_cpu.md:
 
 * "sdpa_folded" (default): the group folded into the query axis, [B, Hkv, G*T, d], and one
@@ -26,12 +26,16 @@ Four formulations, all reading K and V in place (no copy, no KV repeat; checked 
   H200 read K/V at ~5% of its bandwidth (profiles/RESULTS.md). Not for eager or CPU use: PyTorch's eager
   flex_attention is its unfused reference, which materialises the scores and repeats K/V for GQA
   (repeat_interleave), and its CPU template does not compile this score_mod (NoValidChoicesError, torch 2.13).
+* "split_key" (static_decode.split_attention): flash-decoding: the key axis in blocks of SPLIT_BLOCK as a strided
+  view of the cache, one SDPA-kernel call over every (row x KV head, block) returning each block's log-sum-exp,
+  then one combine. More work items for the kernel when B * Hkv is small (a batch-1 step of a model with few KV
+  heads); the combine costs a little elsewhere. Numbers in profiles/RESULTS.md.
 
-Why no plain-torch split-key formulation: splitting the key axis of a cache view [B, Hkv, S, d] into
-[B, Hkv, S / Sb, Sb, d] blocks is a view, but not one a batched GEMM can take: the cache's spare position (and any
-read S shorter than the allocation) gives the head and block axes strides that do not merge into one batch
-stride, so matmul/bmm copy K and V first (profiles/attention_cpu.md). Only a generated kernel that takes
-arbitrary strides (flex's Triton template, SDPA's kernels) splits keys without a copy.
+Why the split goes through SDPA's kernels and not a GEMM: splitting the key axis of a cache view [B, Hkv, S, d]
+into [B, Hkv, S / Sb, Sb, d] blocks is a view, but not one a batched GEMM can take: the cache's spare position
+(and any read S shorter than the allocation) gives the head and block axes strides that do not merge into one
+batch stride, so matmul/bmm copy K and V first (profiles/attention_cpu.md). The fused attention kernels take
+arbitrary strides on their two batch axes, and B and Hkv do merge: [B*Hkv, S / Sb, Sb, d] is a view.
 """
 
 from __future__ import annotations
@@ -43,9 +47,37 @@ import torch
 import torch.nn.functional as F
 
 from static_decode.cache import IntsLike, StaticKVCache, host_ints
+from static_decode.split_attention import split_key_attention
 
-IMPLS = ("matmul", "sdpa", "matmul_qk", "sdpa_folded", "flex")
-DEFAULT_IMPL = "sdpa_folded"  # measured: profiles/attention_cpu.md
+IMPLS = ("matmul", "sdpa", "matmul_qk", "sdpa_folded", "flex", "split_key")  # the formulations
+AUTO = "auto"  # resolve_impl: picked per call from the device, the batch and the KV heads
+CHOICES = (*IMPLS, AUTO)
+DEFAULT_IMPL = AUTO  # measured: profiles/attention_cpu.md, profiles/RESULTS.md ("Split-key attention")
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+# A constant of the trace (dynamo cannot trace torch.get_num_threads): a graph keeps the formulation chosen for the
+# thread count it was compiled under; correct either way, only the speed depends on it. This is exactly what
+# `torch.compiler.assume_constant_result` does (it sets this marker), without importing torch._dynamo here: `--help`
+# and the eager paths never load the compiler (tests/test_layers.py; tests/test_attention.py checks the marker).
+_threads._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def resolve_impl(impl: str, batch: int, kv_heads: int, device: torch.device) -> str:
+    """The formulation `impl` names, "auto" resolved: on the CPU, "split_key" when the batch's KV heads (the work
+    items SDPA's CPU kernel splits a decode step into) do not spread evenly over torch's threads, else
+    "sdpa_folded". Measured on 2 threads, compiled, decode attention alone (profiles/RESULTS.md): SmolLM2's 3 KV
+    heads, 8k keys: split_key 9% faster (16% at 32k; 12% of a whole decode step at context 8,000); Llama-3.1-8B's
+    8: 2-4% slower; 1 thread: slower at both. Off the CPU: "sdpa_folded" (the GPU has not measured split_key yet;
+    compiled CUDA steps can take "flex")."""
+    if impl != AUTO:
+        return impl
+    if device.type == "cpu" and (batch * kv_heads) % _threads():
+        return "split_key"
+    return "sdpa_folded"
 
 
 def chunk_mask(lens: torch.Tensor, n_new: torch.Tensor, slots: int, keys: int) -> torch.Tensor:
@@ -71,7 +103,7 @@ class StepMask(NamedTuple):
 
     visible: torch.Tensor | None  # [B, T, S] bool: may slot t of row b see key s (None when causal)
     real: torch.Tensor | None  # [B, T] bool: slot t of row b holds a real token (else its output is exactly 0)
-    bias: torch.Tensor | None  # [B, 1, G*T, S] additive 0 / -inf in the attention dtype ("sdpa_folded"), else None
+    bias: torch.Tensor | None  # [B, 1, G*T, S] additive 0 / -inf in the attention dtype (the SDPA-kernel impls)
     # A fresh chunk: every row starts at position 0 and fills all T slots, and S == T. Then SDPA's top-left
     # `is_causal` is exactly rule 3 and its kernels skip the key blocks past the diagonal: half the work of a
     # masked call. Only the host knows a chunk is fresh (its mirror of the lengths), so only an uncompiled long
@@ -89,7 +121,7 @@ def step_mask(
     slots, `keys` keys read, `groups` query heads per KV head; `impl` decides which forms are built."""
     visible, real = _visible_and_real(lens, n_new, slots, keys)  # [B, T, S], [B, T]
     bias = None
-    if impl == "sdpa_folded":
+    if impl in ("sdpa_folded", "split_key"):
         B = visible.shape[0]
         folded = visible[:, None, None].expand(B, 1, groups, slots, keys).reshape(B, 1, groups * slots, keys)
         zero, ninf = (torch.full((), x, dtype=dtype, device=lens.device) for x in (0.0, -math.inf))
@@ -191,7 +223,14 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
     return torch.where(real, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-_IMPL_FNS = {"matmul": _matmul, "sdpa": _sdpa, "matmul_qk": _matmul_qk, "sdpa_folded": _sdpa_folded}
+def _split_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: StepMask) -> torch.Tensor:
+    return split_key_attention(q, k, v, mask.bias, mask.visible, mask.real)
+
+
+_IMPL_FNS = {
+    "matmul": _matmul, "sdpa": _sdpa, "matmul_qk": _matmul_qk, "sdpa_folded": _sdpa_folded,
+    "split_key": _split_key,
+}
 
 
 def grouped_attention(
@@ -209,8 +248,9 @@ def grouped_attention(
     `mask`: the step's `step_mask` for these lengths and shapes, shared by a step's layers; built here if None.
     No checks and no host reads: this is what a captured step runs. Returns [B, Hq, T, d].
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl not in CHOICES:
+        raise ValueError(f"impl must be one of {CHOICES}, got {impl!r}")
+    impl = resolve_impl(impl, q.shape[0], k.shape[1], q.device)
     if k.shape[2] == 0 or q.shape[2] == 0:  # nothing cached, or no query slot (static shapes: fine under compile)
         return torch.zeros_like(q)
     if mask is not None and mask.causal:
@@ -237,8 +277,8 @@ def gqa_attention(
     Reads `cache.k[layer, ..., :read_len, :]` only (a view); read_len defaults to the longest row of the host
     mirror and must cover it. Query head h reads KV head h // (Hq // Hkv). Returns [B, Hq, T, d].
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl not in CHOICES:
+        raise ValueError(f"impl must be one of {CHOICES}, got {impl!r}")
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a rank-4 tensor [B, Hq, T, d], got {getattr(q, 'shape', type(q))}")
     B, Hq, T, d = q.shape

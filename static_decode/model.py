@@ -30,7 +30,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from static_decode import projection, rope
-from static_decode.attention import DEFAULT_IMPL, FRESH, IMPLS, StepMask, grouped_attention, step_mask
+from static_decode.attention import (
+    CHOICES,
+    DEFAULT_IMPL,
+    FRESH,
+    StepMask,
+    grouped_attention,
+    resolve_impl,
+    step_mask,
+)
 from static_decode.cache import IntsLike, LayerSpan, StaticKVCache
 from static_decode.config import LlamaConfig
 from static_decode.parallel import SINGLE, TensorParallel
@@ -214,9 +222,10 @@ class LayerRunner(Protocol):
 class Llama(nn.Module):
     """A Llama-family causal LM whose attention reads and writes a `StaticKVCache`.
 
-    `attn_impl` picks the core attention formulation ("matmul" or "sdpa"); it is a runtime choice, not part of
-    the checkpoint. `tp` makes this the rank's shard of a tensor-parallel model (static_decode.parallel); a
-    world size that does not divide the KV heads (or the MLP width) is refused here.
+    `attn_impl` picks the core attention formulation (attention.CHOICES; "auto" resolves per step from the device,
+    batch and KV heads: attention.resolve_impl); it is a runtime choice, not part of the checkpoint. `tp` makes
+    this the rank's shard of a tensor-parallel model (static_decode.parallel); a world size that does not divide
+    the KV heads (or the MLP width) is refused here.
     """
 
     inv_freq: torch.Tensor
@@ -237,8 +246,8 @@ class Llama(nn.Module):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-        if attn_impl not in IMPLS:
-            raise ValueError(f"attn_impl must be one of {IMPLS}, got {attn_impl!r}")
+        if attn_impl not in CHOICES:
+            raise ValueError(f"attn_impl must be one of {CHOICES}, got {attn_impl!r}")
         if not isinstance(tp, TensorParallel):
             raise TypeError(f"tp must be a static_decode.parallel.TensorParallel, got {type(tp).__name__}")
         tp.check(config)
@@ -311,8 +320,9 @@ class Llama(nn.Module):
             x = self.layer_runner(x, cos, sin, cache, n_new, lens_after, read_len, fresh)
         else:
             groups = self.config.num_heads // self.config.num_kv_heads
-            mask = mask_for(self.attn_impl, groups, lens_after, n_new, T, read_len, self.dtype, fresh=fresh)
-            x = run_blocks(self.layers, x, cos, sin, cache, n_new, lens_after, read_len, self.attn_impl, mask)
+            impl = resolve_impl(self.attn_impl, tokens.shape[0], cache.kv_heads, tokens.device)
+            mask = mask_for(impl, groups, lens_after, n_new, T, read_len, self.dtype, fresh=fresh)
+            x = run_blocks(self.layers, x, cos, sin, cache, n_new, lens_after, read_len, impl, mask)
         cache.advance(n_new)
         return self.norm(x)
 

@@ -51,6 +51,45 @@ def test_float64_matches_references(impl: str, trials: int) -> None:
     assert calls > trials
 
 
+@pytest.mark.parametrize("block", [1, 4])
+def test_split_key_blocks_combine_exactly(monkeypatch: pytest.MonkeyPatch, block: int) -> None:
+    """split_key with blocks small enough that the random reads split (block 1: every key its own block, so the
+    log-sum-exp combine does all the work), over the same random chunked trials and references."""
+    import static_decode.split_attention as split
+
+    monkeypatch.setattr(split, "SPLIT_BLOCK", block)
+    rng = np.random.default_rng(17 + block)
+    calls = sum(run_trial(rng, "split_key", torch.float64, atol=1e-10) for _ in range(100))
+    assert calls > 100
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_split_key_reads_the_cache_in_place(batch: int) -> None:
+    """The blocks are strided views of the cache: the kernel gets K and V at the cache's own addresses."""
+    import static_decode.split_attention as split
+
+    cache = StaticKVCache(batch, 2, 520, 8, dtype=torch.float32)  # 520: a spare tail past the 512 read
+    cache.append(torch.randn(batch, 2, 300, 8), torch.randn(batch, 2, 300, 8), [300] * batch)
+    seen = []
+    real = split.block_partials
+
+    def spy(q, k, v, bias, scale):
+        seen.append((k.data_ptr(), v.data_ptr(), tuple(k.shape), k.stride()))
+        return real(q, k, v, bias, scale)
+
+    split.block_partials = spy
+    try:
+        q = torch.randn(batch, 4, 1, 8)
+        out = gqa_attention(q, cache, [1] * batch, read_len=512, impl="split_key")  # slot 0 at 299: 3 live blocks
+    finally:
+        split.block_partials = real
+    ref = gqa_attention(q, cache, [1] * batch, read_len=512, impl="matmul")
+    row = cache.k.stride(2)  # B and Hkv merged: one KV head's whole allocation apart
+    assert seen == [(cache.k.data_ptr(), cache.v.data_ptr(), (batch * 2, 4, 128, 8), (row, 128 * 8, 8, 1))]
+    assert out.abs().sum() > 0
+    torch.testing.assert_close(out, ref)
+
+
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), [(torch.float32, 2e-5, 1e-5), (torch.bfloat16, 8e-2, 5e-2)])
 def test_low_precision_against_float64(dtype: torch.dtype, atol: float, rtol: float) -> None:
     """Stated tolerances: float32 within 2e-5 abs + 1e-5 rel; bfloat16 within 8e-2 abs + 5e-2 rel.
@@ -232,3 +271,39 @@ def test_a_fresh_chunk_reads_k_and_v_in_place() -> None:
         if len(shape) >= 2 and tuple(shape[-2:]) == (T, d) and shape[-3:-2] != [9]
     ]
     assert not copies
+
+
+def test_auto_resolves_per_device_batch_and_kv_heads() -> None:
+    """"auto": split_key on the CPU when batch x KV heads does not divide over the threads, else sdpa_folded."""
+    from static_decode.attention import resolve_impl
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert resolve_impl("auto", 1, 3, cpu) == "split_key"  # SmolLM2: 3 KV heads on 2 threads
+        assert resolve_impl("auto", 1, 8, cpu) == resolve_impl("auto", 2, 3, cpu) == "sdpa_folded"
+        assert resolve_impl("auto", 1, 3, cuda) == "sdpa_folded"
+        assert resolve_impl("matmul", 1, 3, cpu) == "matmul"  # a named formulation is kept
+        torch.set_num_threads(1)
+        assert resolve_impl("auto", 1, 3, cpu) == "sdpa_folded"
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        gqa_attention(torch.randn(1, 4, 1, 8), StaticKVCache(1, 2, 8, 8), [0], impl="fastest")
+
+
+def test_the_thread_count_is_a_constant_of_the_trace() -> None:
+    """attention._threads carries the marker torch.compiler.assume_constant_result sets (set by hand there, so
+    importing attention does not import torch._dynamo), and a fullgraph compile that reads it traces."""
+    import static_decode.attention as attention
+
+    marked = torch.compiler.assume_constant_result(lambda: 0)
+    assert {k for k in vars(marked)} <= set(vars(attention._threads)) and attention._threads._dynamo_marked_constant
+
+    def pick(x: torch.Tensor) -> torch.Tensor:
+        impl = attention.resolve_impl("auto", x.shape[0], 3, x.device)
+        return x + (1 if impl == "split_key" else 2)
+
+    want = pick(torch.zeros(1))
+    assert torch.equal(torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(1)), want)

@@ -208,9 +208,9 @@ def test_no_copy_at_the_aten_level(impl: str) -> None:
     """Stronger than patching Python names: no aten op that concatenates, repeats or copies runs on K or V,
     so neither is materialised again (a broadcasting matmul over G would show up here as a copy).
 
-    Every impl but the default runs no such op at all. The default, sdpa_folded, folds the group into the query
-    axis, so its [B, T, S] mask is expanded over G and reshaped to [B, 1, G*T, S]: for a chunk (T > 1) that
-    reshape copies the boolean mask (B*G*T*S bools). That is the one copy it makes; K and V never."""
+    Every impl but the default and split_key runs no such op at all. The default, sdpa_folded, folds the group
+    into the query axis, so its [B, T, S] mask is expanded over G and reshaped to [B, 1, G*T, S]: for a chunk
+    (T > 1) that reshape copies the boolean mask (B*G*T*S bools). That is the one copy it makes; K and V never."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     cache = StaticKVCache(2, 2, 64, 8)
@@ -236,6 +236,14 @@ def test_no_copy_at_the_aten_level(impl: str) -> None:
     assert not [c for c in copies if c[3]], copies  # nothing copies, repeats or concatenates K or V
     if impl == "sdpa_folded":
         assert copies == [("clone", torch.bool, (2, 1, 4, 5, 5), False)], copies  # the chunk's mask over G = 4
+    elif impl == "split_key":
+        # The folded mask as sdpa_folded, then per call at batch 2 the bias laid out per (row x KV head, block)
+        # and the blocks' liveness: masks of G*T*S elements per KV head at most, never K/V (2*S*d per KV head).
+        assert copies == [
+            ("clone", torch.bool, (2, 1, 4, 5, 5), False), ("clone", torch.float32, (2, 2, 1, 20, 5), False),
+            ("clone", torch.bool, (2, 2, 1, 4, 5), False), ("clone", torch.float32, (2, 2, 1, 4, 32), False),
+            ("clone", torch.bool, (2, 2, 1, 4, 1), False),
+        ], copies
     else:
         assert copies == [], copies
 

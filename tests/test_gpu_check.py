@@ -74,6 +74,33 @@ def test_gpu_check_tiny_on_cpu(tmp_path, monkeypatch) -> None:
     assert "| live | mode | read_len |" in (tmp_path / "gpu_check.md").read_text()
 
 
+def test_an_attention_impl_that_fails_costs_only_its_rows(monkeypatch) -> None:
+    """A formulation that raises on the device (split_key's CUDA kernel is unrun so far) is recorded as failed
+    rows, named in the table, and the other impls are still measured."""
+    gc = _load(monkeypatch)
+    from static_decode.commands.bench_systems import load_profiles_module
+
+    ab = load_profiles_module("attention_bench")
+    real = ab.attention_rows
+
+    def rows(lengths, impls, **kw):
+        if impls == ("split_key",):
+            raise RuntimeError("no kernel image\nmore")
+        return real(lengths, impls, **kw)
+
+    monkeypatch.setattr(ab, "attention_rows", rows)
+    monkeypatch.setattr("static_decode.commands.bench_systems.load_profiles_module", lambda name: ab)
+    sh = gc.shape(tiny=True)
+    got = gc.attention(sh, 2, torch.device("cpu"), 10e9, "eager")
+    failed = [r for r in got if "error" in r]
+    assert failed == [{"impl": "split_key", "length": n, "error": "RuntimeError: no kernel image"} for n in sh.lengths]
+    assert {r["impl"] for r in got if "error" not in r} == {"matmul", "sdpa", "matmul_qk", "sdpa_folded"}
+    head = {"shape": "tiny", "device": "cpu", "torch": torch.__version__, "batch": 1, "max_len": sh.max_len,
+            "dtype": "float32", "steps": 2}
+    md = gc.table({**head, "cases": [], "attention": got})
+    assert f"| split_key | {sh.lengths[0]} | failed: RuntimeError: no kernel image | | |" in md
+
+
 def test_gpu_check_tp_two_gloo_ranks(tmp_path, monkeypatch) -> None:
     gc = _load(monkeypatch)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

@@ -22,7 +22,7 @@ CORE = {
     f"static_decode.{name}"
     for name in ("attention", "cache", "chat_template", "checks", "config", "exports", "loading", "memory", "model",
                  "parallel", "progress", "projection", "ranges", "reference", "rope", "sampling", "speculation",
-                 "steps", "verify")
+                 "split_attention", "steps", "verify")
 }
 GENERATOR = {"static_decode", "static_decode.conversation", "static_decode.generator", "static_decode.request",
              "static_decode.speculative_loop", "static_decode.stats"}

@@ -85,10 +85,14 @@ def test_greedy_stops_at_eos_like_transformers(tmp_path):
     assert Generator(ours, max_len=40, chunk_size=4, eos_token_ids=[eos]).generate(seq, 16) == expected
 
 
-def test_sdpa_attention_gives_the_same_logits(pair):
+@pytest.mark.parametrize("impl", ["sdpa", "split_key"])
+def test_sdpa_attention_gives_the_same_logits(pair, impl, monkeypatch):
+    import static_decode.split_attention as split
+
+    monkeypatch.setattr(split, "SPLIT_BLOCK", 4)  # reads of a multiple of 4 keys split into blocks of 4
     hf, ours = pair
     seq = prompt(30, 7)
-    ours.attn_impl = "sdpa"
+    ours.attn_impl = impl
     try:
         (got,) = feed(ours, [seq], 7)
     finally:

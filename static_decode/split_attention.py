@@ -1,0 +1,91 @@
+"""Split-key (flash-decoding) attention: the key axis read in fixed blocks, combined by log-sum-exp.
+
+Why: the one-call formulations hand the attention kernel B * Hkv independent work items (the kernel splits queries,
+not keys). At batch 1 that is 3 items for SmolLM2-135M (2 CPU threads: one idles a third of the time) and 8 for
+Llama-3.1-8B (132 streaming multiprocessors on an H200: the GPU read K/V at ~5% of its bandwidth past 1k,
+profiles/RESULTS.md). Splitting the keys into blocks makes B * Hkv * (S / block) items; each block's partial
+softmax comes back with its log-sum-exp, and one small combine weighs the blocks: the result is exactly softmax
+attention over all keys.
+
+How, without copying K or V (rule 1): the cache's [B, Hkv, S_alloc, d] rows merge B and Hkv into one axis and
+split S into (blocks, block) as a strided view, [B*Hkv, nb, Sb, d]; the block kernel is SDPA's own fused kernel,
+called through the aten op that also returns the log-sum-exp (CPU: the flash kernel; CUDA: the memory-efficient
+kernel), both of which read their inputs through strides. The queries are the group folded into the query axis
+(G*T rows per KV head, rule 2: no KV repeat) broadcast over the blocks (stride 0). The mask is the step's additive
+[B, 1, G*T, S] bias seen per block.
+
+Masking (rule 3): a block whose first key a slot cannot see holds no visible key for it (visibility is a prefix of
+the keys), so its log-sum-exp is set to -inf before the combine (the kernels report 0 for a fully masked row, not
+-inf) and it weighs exactly 0; a padded slot, every block -inf, returns exact zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Keys per block. Every rung of the read ladder is a multiple of 128 (capture.buckets), so a symbolic read length
+# keeps one graph; a read that is not (short test caches) is one block, i.e. plain attention plus the combine.
+SPLIT_BLOCK = 128
+
+
+def block_size(keys: int, block: int | None = None) -> int:
+    """The block the `keys` read splits into: `block` (default SPLIT_BLOCK) when it divides the read, else the
+    whole read."""
+    block = SPLIT_BLOCK if block is None else block
+    return block if keys % block == 0 else keys
+
+
+def block_partials(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each block and its log-sum-exp: q [N, nb, M, d], k/v [N, nb, Sb, d] (strided views), bias
+    broadcastable to [N, nb, M, Sb] -> out [N, nb, M, d], lse [N, nb, M] (float32, natural log)."""
+    if q.device.type == "cuda":
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, True, 0.0, False, scale=scale
+        )  # lse [N, nb, M rounded up to 32]
+        return out, lse[..., : q.shape[2]]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=bias, scale=scale
+    )  # [N, nb, M, d], [N, nb, M]
+    return out, lse
+
+
+def split_key_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    visible: torch.Tensor,
+    real: torch.Tensor,
+    block: int | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, T, d]; k/v [B, Hkv, S, d] views of the cache (B and Hkv merge into one stride); the step mask's
+    forms (attention.StepMask): bias [B, 1, G*T, S] additive, visible [B, T, S], real [B, T]. Returns [B, Hq, T, d]."""
+    B, Hq, T, d = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    M, N = G * T, B * Hkv
+    Sb = block_size(S, block)
+    nb = S // Sb
+    qb = q.reshape(N, 1, M, d).expand(N, nb, M, d)  # [N, nb, M, d]: every block sees the same queries (stride 0)
+    kb = k.flatten(0, 1).unflatten(1, (nb, Sb))  # [N, nb, Sb, d]: a view, K read in place
+    vb = v.flatten(0, 1).unflatten(1, (nb, Sb))  # [N, nb, Sb, d]
+    bias = bias.view(B, 1, M, nb, Sb).transpose(2, 3)  # [B, 1, nb, M, Sb]
+    # Batch 1: [1, nb, M, Sb], broadcast over the KV heads. Else the rows and KV heads share one axis: a copy of
+    # the bias (G*T*S per KV head), never of K/V.
+    bias = bias[0] if B == 1 else bias.expand(B, Hkv, nb, M, Sb).reshape(N, nb, M, Sb)
+    out, lse = block_partials(qb, kb, vb, bias, 1.0 / math.sqrt(d))  # [N, nb, M, d], [N, nb, M]
+    live = visible[:, :, ::Sb]  # [B, T, nb]: a block is live for a slot iff its first key is visible
+    live = live.transpose(1, 2)[:, None, :, None, :].expand(B, Hkv, nb, G, T).reshape(N, nb, M)  # [N, nb, M]
+    lse = torch.where(live, lse, -math.inf)
+    top = lse.amax(dim=1, keepdim=True).clamp(min=torch.finfo(lse.dtype).min)  # [N, 1, M]; finite for padded slots
+    w = torch.exp(lse - top)[..., None]  # [N, nb, M, 1]: 0 for dead blocks
+    zero = torch.zeros((), dtype=out.dtype, device=out.device)
+    num = (torch.where(w > 0, out, zero) * w).sum(dim=1)  # [N, M, d] float32; a dead block's output never enters
+    den = w.sum(dim=1).clamp(min=torch.finfo(w.dtype).tiny)  # [N, M, 1]; 0 weight (padded slot) gives 0, not NaN
+    res = (num / den).to(q.dtype).view(B, Hkv, G, T, d)  # [B, Hkv, G, T, d]
+    keep = real[:, None, None, :, None]  # [B, 1, 1, T, 1]
+    return torch.where(keep, res, torch.zeros((), dtype=res.dtype, device=res.device)).reshape(B, Hq, T, d)
