@@ -71,7 +71,7 @@ def _region(
     fresh: bool,
 ) -> Tensor:
     """One span of blocks: what is compiled apart. k, v: [n, B, Hkv, max_len + spare, d] of the span's layers."""
-    impl = resolve_impl(impl, x.shape[0], k.shape[2], x.device)
+    impl = resolve_impl(impl, x.shape[0], k.shape[2], groups * x.shape[1], x.device)
     mask = mask_for(impl, groups, lens_after, n_new, x.shape[1], read_len, x.dtype, fresh=fresh)
     return run_blocks(blocks, x, cos, sin, LayerSpan(k, v, lens, max_len), n_new, lens_after, read_len, impl, mask)
 

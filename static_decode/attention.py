@@ -66,16 +66,24 @@ def _threads() -> int:
 _threads._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def resolve_impl(impl: str, batch: int, kv_heads: int, device: torch.device) -> str:
-    """The formulation `impl` names, "auto" resolved: on the CPU, "split_key" when the batch's KV heads (the work
-    items SDPA's CPU kernel splits a decode step into) do not spread evenly over torch's threads, else
-    "sdpa_folded". Measured on 2 threads, compiled, decode attention alone (profiles/RESULTS.md): SmolLM2's 3 KV
-    heads, 8k keys: split_key 9% faster (16% at 32k; 12% of a whole decode step at context 8,000); Llama-3.1-8B's
-    8: 2-4% slower; 1 thread: slower at both. Off the CPU: "sdpa_folded" (the GPU has not measured split_key yet;
-    compiled CUDA steps can take "flex")."""
+# Query rows per KV head up to which SDPA's CPU flash kernel makes one work item per (row, KV head): its query
+# block is 32 rows below 192 (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp). A decode step (G rows) or a short
+# verify chunk; a prefill chunk of 128 tokens has G*128 rows, enough query blocks to keep every thread busy.
+SPLIT_MAX_ROWS = 32
+
+
+def resolve_impl(impl: str, batch: int, kv_heads: int, rows: int, device: torch.device) -> str:
+    """The formulation `impl` names, "auto" resolved for a step of `rows` query rows per KV head (G * T): on the
+    CPU, "split_key" when the step is one query block per KV head (rows <= SPLIT_MAX_ROWS) and the batch's KV heads,
+    the work items SDPA's CPU kernel then has, do not spread evenly over torch's threads; else "sdpa_folded".
+    Measured on 2 threads, compiled, decode attention alone (profiles/RESULTS.md): SmolLM2's 3 KV heads at 8k keys:
+    split_key 9% faster (16% at 32k; 11% of a whole decode step at context 8,000); Llama-3.1-8B's 8: 2-4% slower;
+    1 thread: slower at both; prefill chunks of 128 (384 rows): much slower (each block's partial output is
+    materialised). Off the CPU: "sdpa_folded" (no GPU has run split_key yet; compiled CUDA steps can take
+    "flex")."""
     if impl != AUTO:
         return impl
-    if device.type == "cpu" and (batch * kv_heads) % _threads():
+    if device.type == "cpu" and rows <= SPLIT_MAX_ROWS and (batch * kv_heads) % _threads():
         return "split_key"
     return "sdpa_folded"
 
@@ -250,7 +258,7 @@ def grouped_attention(
     """
     if impl not in CHOICES:
         raise ValueError(f"impl must be one of {CHOICES}, got {impl!r}")
-    impl = resolve_impl(impl, q.shape[0], k.shape[1], q.device)
+    impl = resolve_impl(impl, q.shape[0], k.shape[1], q.shape[1] // max(1, k.shape[1]) * q.shape[2], q.device)
     if k.shape[2] == 0 or q.shape[2] == 0:  # nothing cached, or no query slot (static shapes: fine under compile)
         return torch.zeros_like(q)
     if mask is not None and mask.causal:

@@ -320,7 +320,7 @@ class Llama(nn.Module):
             x = self.layer_runner(x, cos, sin, cache, n_new, lens_after, read_len, fresh)
         else:
             groups = self.config.num_heads // self.config.num_kv_heads
-            impl = resolve_impl(self.attn_impl, tokens.shape[0], cache.kv_heads, tokens.device)
+            impl = resolve_impl(self.attn_impl, tokens.shape[0], cache.kv_heads, groups * T, tokens.device)
             mask = mask_for(impl, groups, lens_after, n_new, T, read_len, self.dtype, fresh=fresh)
             x = run_blocks(self.layers, x, cos, sin, cache, n_new, lens_after, read_len, impl, mask)
         cache.advance(n_new)

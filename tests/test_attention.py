@@ -281,12 +281,14 @@ def test_auto_resolves_per_device_batch_and_kv_heads() -> None:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert resolve_impl("auto", 1, 3, cpu) == "split_key"  # SmolLM2: 3 KV heads on 2 threads
-        assert resolve_impl("auto", 1, 8, cpu) == resolve_impl("auto", 2, 3, cpu) == "sdpa_folded"
-        assert resolve_impl("auto", 1, 3, cuda) == "sdpa_folded"
-        assert resolve_impl("matmul", 1, 3, cpu) == "matmul"  # a named formulation is kept
+        assert resolve_impl("auto", 1, 3, 3, cpu) == "split_key"  # SmolLM2 decode: 3 KV heads on 2 threads
+        assert resolve_impl("auto", 1, 3, 32, cpu) == "split_key"  # a short verify chunk: one query block
+        assert resolve_impl("auto", 1, 3, 3 * 128, cpu) == "sdpa_folded"  # a prefill chunk: query blocks enough
+        assert resolve_impl("auto", 1, 8, 4, cpu) == resolve_impl("auto", 2, 3, 3, cpu) == "sdpa_folded"
+        assert resolve_impl("auto", 1, 3, 3, cuda) == "sdpa_folded"
+        assert resolve_impl("matmul", 1, 3, 3, cpu) == "matmul"  # a named formulation is kept
         torch.set_num_threads(1)
-        assert resolve_impl("auto", 1, 3, cpu) == "sdpa_folded"
+        assert resolve_impl("auto", 1, 3, 3, cpu) == "sdpa_folded"
     finally:
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="impl must be one of"):
@@ -302,7 +304,7 @@ def test_the_thread_count_is_a_constant_of_the_trace() -> None:
     assert {k for k in vars(marked)} <= set(vars(attention._threads)) and attention._threads._dynamo_marked_constant
 
     def pick(x: torch.Tensor) -> torch.Tensor:
-        impl = attention.resolve_impl("auto", x.shape[0], 3, x.device)
+        impl = attention.resolve_impl("auto", x.shape[0], 3, 3, x.device)
         return x + (1 if impl == "split_key" else 2)
 
     want = pick(torch.zeros(1))
