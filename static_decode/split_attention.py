@@ -22,6 +22,7 @@ the keys), so its log-sum-exp is set to -inf before the combine (the kernels rep
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -43,14 +44,23 @@ def block_partials(
     """Attention of each block and its log-sum-exp: q [N, nb, M, d], k/v [N, nb, Sb, d] (strided views), bias
     broadcastable to [N, nb, M, Sb] -> out [N, nb, M, d], lse [N, nb, M] (float32, natural log)."""
     if q.device.type == "cuda":
-        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, bias, True, 0.0, False, scale=scale
-        )  # lse [N, nb, M rounded up to 32]
-        return out, lse[..., : q.shape[2]]
+        return efficient_partials(q, k, v, bias, scale, torch.ops.aten._scaled_dot_product_efficient_attention)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, False, attn_mask=bias, scale=scale
     )  # [N, nb, M, d], [N, nb, M]
     return out, lse
+
+
+def efficient_partials(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, kernel: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_partials on CUDA through `kernel`, the memory-efficient SDPA op: it takes the bias at the full
+    [N, nb, M, Sb] shape (expanded: stride 0 over the broadcast axes, no copy) and returns the log-sum-exp padded
+    to a multiple of 32 query rows. Not yet run on a GPU (profiles/gpu_check times it); its logic is tested on the
+    CPU with a reference kernel."""
+    bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])  # [N, nb, M, Sb]
+    out, lse, _, _ = kernel(q, k, v, bias, True, 0.0, False, scale=scale)  # lse [N, nb, M rounded up to 32]
+    return out, lse[..., : q.shape[2]]
 
 
 def split_key_attention(

@@ -309,3 +309,32 @@ def test_the_thread_count_is_a_constant_of_the_trace() -> None:
 
     want = pick(torch.zeros(1))
     assert torch.equal(torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(1)), want)
+
+
+def test_split_key_cuda_partials_logic_on_cpu() -> None:
+    """The CUDA branch (memory-efficient kernel: a full-shape bias, log-sum-exp padded to 32 rows) with a reference
+    kernel standing in, against the CPU flash branch on the same blocks."""
+    import math
+
+    import static_decode.split_attention as split
+
+    seen = {}
+
+    def reference(q, k, v, bias, lse_wanted, dropout, causal, *, scale):
+        seen["bias"] = tuple(bias.shape)
+        s = (q.double() @ k.double().transpose(-1, -2)) * scale + bias.double()  # [N, nb, M, Sb]
+        lse = torch.logsumexp(s, dim=-1)  # [N, nb, M]
+        out = torch.softmax(s, dim=-1) @ v.double()
+        pad = torch.full((*lse.shape[:-1], 32 - lse.shape[-1]), float("nan"), dtype=lse.dtype)
+        return out.to(q.dtype), torch.cat([lse, pad], dim=-1).float(), None, None
+
+    N, nb, M, Sb, d = 3, 4, 3, 8, 16
+    q = torch.randn(N, 1, M, d).expand(N, nb, M, d)
+    k, v = torch.randn(2, N, nb, Sb, d)
+    bias = torch.where(torch.rand(1, nb, M, Sb) < 0.8, 0.0, -math.inf)
+    bias[..., 0] = 0.0  # every row sees a key in every block
+    out, lse = split.efficient_partials(q, k, v, bias, d ** -0.5, reference)
+    want_out, want_lse = split.block_partials(q, k, v, bias, d ** -0.5)  # the CPU flash kernel
+    assert seen["bias"] == (N, nb, M, Sb) and lse.shape == (N, nb, M)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
