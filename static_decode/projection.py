@@ -30,13 +30,31 @@ def streams(weight: torch.Tensor, rows: int) -> bool:
     )
 
 
+MATERIALIZE_ROWS = 8192  # products with at least this many weight rows read their row from a buffer (the head)
+
+
+def materialized(v: torch.Tensor) -> torch.Tensor:
+    """`v` [K] as a buffer of its own inside a compiled step (eager: a copy).
+
+    Inductor inlines a pointwise producer into the reduction that reads it: the head's row (the final norm) was
+    recomputed once per weight row, 49,152 times for SmolLM2, and its product ran at 12 GB/s instead of 15 (head
+    with its norm, bf16, cold weights, 2 threads: 4.8 -> 3.7 ms). An index_copy lowers to a scatter, which inductor
+    always writes to a buffer, so the row is computed once. Measured on the whole bf16 decode step (separate
+    processes in turns): -8% at context 128, -5% at 1,024 with the head only; with every projection as well, no gain
+    (the layers' inputs feed several projections and are buffers already; the extra copies cost what they save)."""
+    K = v.shape[-1]
+    return torch.zeros_like(v).index_copy(0, torch.arange(K, device=v.device), v)  # [K]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, x [..., K], weight [N, K]; streamed for a single row where that is faster."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
     if not streams(weight, rows):
         return F.linear(x, weight, bias)
-    row = x.reshape(1, K)  # [1, K]
-    out = (weight.float() * row.float()).sum(dim=-1)  # [N] float32 accumulation, each weight row read once
+    row = x.reshape(K).float()  # [K]
+    if weight.shape[0] >= MATERIALIZE_ROWS:
+        row = materialized(row)  # computed once, not once per weight row
+    out = (weight.float() * row).sum(dim=-1)  # [N] float32 accumulation, each weight row read once
     out = out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])  # [..., N]
     return out if bias is None else out + bias

@@ -44,3 +44,33 @@ def test_compiled_stream_equals_a_float32_reference(shape, bias):
     assert got.shape == lib.shape == ref.shape and got.dtype == torch.bfloat16
     err, lib_err = (got.float() - ref).abs().max(), (lib.float() - ref).abs().max()
     assert err <= max(lib_err * 1.5, 0.05), (err, lib_err)  # bf16 rounding of the output, like the library's
+
+
+def test_a_head_sized_product_reads_its_row_from_one_buffer():
+    """Past MATERIALIZE_ROWS weight rows (the head) the row is a buffer of its own: the product still equals the
+    reference with a norm fused in front of it, and the generated code computes the norm once, before the loop over
+    the weight rows (without the buffer inductor inlines it and recomputes the rsqrt once per row)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    N, K = projection.MATERIALIZE_ROWS, 64
+    w, x, g = torch.randn(N, K).to(torch.bfloat16), torch.randn(K).to(torch.bfloat16), torch.randn(K)
+
+    def norm(x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * g).to(torch.bfloat16)  # a final norm
+
+    def head(x, w):
+        return projection.linear(norm(x)[None], w)
+
+    torch._dynamo.reset()
+    with inductor_config.patch(force_disable_caches=True):  # the kernels' source in the returned code
+        got, codes = run_and_get_code(torch.compile(head, fullgraph=True, dynamic=False), x, w)
+    torch._dynamo.reset()
+    ref = F.linear(norm(x).float()[None], w.float())
+    assert (got.float() - ref).abs().max() <= 0.1
+    assert torch.equal(projection.materialized(x), x)  # eager: a copy
+    code = "\n".join(codes)
+    rows = code.split(f"x0<static_cast<int64_t>({N}L)")  # the loops over the weight rows
+    assert len(rows) >= 2 and "sqrt(" in rows[0] and not any("sqrt(" in r for r in rows[1:]), code[-3000:]
