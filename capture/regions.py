@@ -37,9 +37,8 @@ from torch import Tensor
 
 from capture import _dynamo_counters as dc
 from capture.settings import CompileSettings
-from static_decode.attention import resolve_impl
 from static_decode.cache import LayerSpan, StaticKVCache
-from static_decode.model import Llama, mask_for, run_blocks
+from static_decode.model import Llama, run_blocks, step_attention
 
 _LIVE: dict[int, LayerRegions] = {}  # handle -> the regions of a live runner (the op finds its region here)
 _HANDLES = itertools.count()
@@ -71,8 +70,7 @@ def _region(
     fresh: bool,
 ) -> Tensor:
     """One span of blocks: what is compiled apart. k, v: [n, B, Hkv, max_len + spare, d] of the span's layers."""
-    impl = resolve_impl(impl, x.shape[0], k.shape[2], groups * x.shape[1], x.device)
-    mask = mask_for(impl, groups, lens_after, n_new, x.shape[1], read_len, x.dtype, fresh=fresh)
+    impl, mask = step_attention(impl, groups, k.shape[2], lens_after, n_new, x.shape[1], read_len, x.dtype, fresh=fresh)
     return run_blocks(blocks, x, cos, sin, LayerSpan(k, v, lens, max_len), n_new, lens_after, read_len, impl, mask)
 
 

@@ -169,12 +169,6 @@ class StaticKVCache(torch.nn.Module):
         """K and V of one layer up to read_len: views of the buffers, never copies. [B, Hkv, read_len, d]."""
         return self.k[layer, :, :, :read_len], self.v[layer, :, :, :read_len]
 
-    def span(self, start: int, stop: int) -> LayerSpan:
-        """Layers start..stop-1 as a `LayerSpan` (views of the buffers and the same lengths; no copy)."""
-        if not 0 <= start < stop <= self.layers:
-            raise ValueError(f"layer span {start}..{stop} must lie within 0..{self.layers} and hold a layer")
-        return LayerSpan(self.k[start:stop], self.v[start:stop], self.lens, self.max_len)
-
     # ---- the single-layer convenience and housekeeping ---------------------------------------------------
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, n_new: IntsLike) -> None:
         """Append the first n_new[b] slots of k_new/v_new ([B, Hkv, T, d]) to row b (layers == 1).
@@ -246,10 +240,6 @@ class LayerSpan:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, max_len: int) -> None:
         self.k, self.v, self.lens, self.max_len = k, v, lens, max_len
-
-    @property
-    def layers(self) -> int:
-        return self.k.shape[0]
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, n_new: torch.Tensor) -> None:
         """`StaticKVCache.write` for layer `layer` of the span."""

@@ -159,9 +159,10 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, dtype=dtype, device=device, tp=tp)
 
 
-def mask_for(
+def step_attention(
     impl: str,
     groups: int,
+    kv_heads: int,
     lens_after: torch.Tensor,
     n_new: torch.Tensor,
     T: int,
@@ -169,15 +170,17 @@ def mask_for(
     dtype: torch.dtype,
     *,
     fresh: bool = False,
-) -> StepMask | None:
-    """The attention mask of one step, built once and shared by the layers: FRESH for a fresh chunk (causal
-    SDPA, no mask), None where there is nothing to mask (flex evaluates its own inside the kernel; no keys or
-    no slots), else `attention.step_mask`."""
+) -> tuple[str, StepMask | None]:
+    """The formulation one step's attention runs (`attention.resolve_impl`: "auto" by device, batch, KV heads and
+    query rows) and its mask, built once and shared by the layers: FRESH for a fresh chunk (causal SDPA, no mask),
+    None where there is nothing to mask (flex evaluates its own inside the kernel; no keys or no slots), else
+    `attention.step_mask`."""
+    impl = resolve_impl(impl, lens_after.shape[0], kv_heads, groups * T, lens_after.device)
     if fresh:
-        return FRESH
+        return impl, FRESH
     if impl == "flex" or read_len <= 0 or T <= 0:
-        return None
-    return step_mask(lens_after, n_new, T, read_len, groups=groups, dtype=dtype, impl=impl)
+        return impl, None
+    return impl, step_mask(lens_after, n_new, T, read_len, groups=groups, dtype=dtype, impl=impl)
 
 
 def run_blocks(
@@ -320,8 +323,9 @@ class Llama(nn.Module):
             x = self.layer_runner(x, cos, sin, cache, n_new, lens_after, read_len, fresh)
         else:
             groups = self.config.num_heads // self.config.num_kv_heads
-            impl = resolve_impl(self.attn_impl, tokens.shape[0], cache.kv_heads, groups * T, tokens.device)
-            mask = mask_for(impl, groups, lens_after, n_new, T, read_len, self.dtype, fresh=fresh)
+            impl, mask = step_attention(
+                self.attn_impl, groups, cache.kv_heads, lens_after, n_new, T, read_len, self.dtype, fresh=fresh
+            )
             x = run_blocks(self.layers, x, cos, sin, cache, n_new, lens_after, read_len, impl, mask)
         cache.advance(n_new)
         return self.norm(x)
