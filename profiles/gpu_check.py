@@ -155,14 +155,14 @@ def main() -> int:
 def attention(sh: Shape, steps: int, device: torch.device, copy_bytes_per_s: float, backend: str) -> list[dict]:
     """Decode attention alone at the shape's head layout, every impl, at each live length (profiles/
     attention_bench.py), as a fraction of the copy rate. Eager impls first; flex compiled (CUDA only)."""
-    from static_decode.attention import IMPLS
+    from static_decode.attention import CPU_ONLY, IMPLS
     from static_decode.commands.bench_systems import load_profiles_module
 
     ab = load_profiles_module("attention_bench")  # profiles/attention_bench.py, beside this file
 
     cfg = sh.config
     ab.HQ, ab.HKV, ab.HEAD_DIM = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    eager = tuple(i for i in IMPLS if i != "flex")
+    eager = tuple(i for i in IMPLS if i != "flex" and (device.type == "cpu" or i not in CPU_ONLY))
     kw = {"dtype": sh.dtype, "device": device, "repeats": 5, "bandwidth_gbps": copy_bytes_per_s / 1e9}
     runs = [(impl, False) for impl in eager]
     if device.type == "cuda" and backend == "inductor":

@@ -7,7 +7,7 @@ Slot t of row b sits at absolute position lens[b] - n_new[b] + t (lens counts th
 sees keys 0..that position. Slots t >= n_new[b] return exact zeros. The mask is built from the lengths, not
 as a T x T triangle, so a chunk appended after cached tokens sees those tokens too.
 
-Six formulations, all reading K and V in place (no copy, no KV repeat; checked by
+Seven formulations, all reading K and V in place (no copy, no KV repeat; checked by
 `profiles/attention_bench.py --trace`). Numbers in profiles/attention_cpu.md:
 
 * "sdpa_folded" (default): the group folded into the query axis, [B, Hkv, G*T, d], and one
@@ -30,6 +30,12 @@ Six formulations, all reading K and V in place (no copy, no KV repeat; checked b
   view of the cache, one SDPA-kernel call over every (row x KV head, block) returning each block's log-sum-exp,
   then one combine. More work items for the kernel when B * Hkv is small (a batch-1 step of a model with few KV
   heads); the combine costs a little elsewhere. Numbers in profiles/RESULTS.md.
+* "decode_kernel" (static_decode.cpu_kernel, CPU only): our own C++ kernel for steps of few query rows per KV head
+  (decode, verify chunks): each key row loaded once for all the group's rows, a block's scores in L1, an online
+  softmax, the key axis split over the threads; its mask is the lengths, read inside it, so keys past a row's
+  length are never touched. Float32 math over float32 / bfloat16 / float16 caches. Where it does not apply
+  (another device, more than 64 rows, a head_dim that is not a multiple of the vector width, float64) or cannot be
+  built, naming it gives "sdpa_folded".
 
 Why the split goes through SDPA's kernels and not a GEMM: splitting the key axis of a cache view [B, Hkv, S, d]
 into [B, Hkv, S / Sb, Sb, d] blocks is a view, but not one a batched GEMM can take: the cache's spare position
@@ -46,10 +52,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from static_decode import cpu_kernel
 from static_decode.cache import IntsLike, StaticKVCache, host_ints
 from static_decode.split_attention import split_key_attention
 
-IMPLS = ("matmul", "sdpa", "matmul_qk", "sdpa_folded", "flex", "split_key")  # the formulations
+IMPLS = ("matmul", "sdpa", "matmul_qk", "sdpa_folded", "flex", "split_key", "decode_kernel")  # the formulations
+CPU_ONLY = ("decode_kernel",)  # elsewhere they resolve to a general formulation: nothing of their own to measure
 AUTO = "auto"  # resolve_impl: picked per call from the device, the batch and the KV heads
 CHOICES = (*IMPLS, AUTO)
 DEFAULT_IMPL = AUTO  # measured: profiles/attention_cpu.md, profiles/RESULTS.md ("Split-key attention")
@@ -72,17 +80,29 @@ _threads._dynamo_marked_constant = True  # type: ignore[attr-defined]
 SPLIT_MAX_ROWS = 32
 
 
-def resolve_impl(impl: str, batch: int, kv_heads: int, rows: int, device: torch.device) -> str:
-    """The formulation `impl` names, "auto" resolved for a step of `rows` query rows per KV head (G * T): on the
-    CPU, "split_key" when the step is one query block per KV head (rows <= SPLIT_MAX_ROWS) and the batch's KV heads,
-    the work items SDPA's CPU kernel then has, do not spread evenly over torch's threads; else "sdpa_folded".
-    Measured on 2 threads, compiled, decode attention alone (profiles/RESULTS.md): SmolLM2's 3 KV heads at 8k keys:
-    split_key 9% faster (16% at 32k; 11% of a whole decode step at context 8,000); Llama-3.1-8B's 8: 2-4% slower;
-    1 thread: slower at both; prefill chunks of 128 (384 rows): much slower (each block's partial output is
-    materialised). Off the CPU: "sdpa_folded" (no GPU has run split_key yet; compiled CUDA steps can take
-    "flex")."""
+def resolve_impl(
+    impl: str,
+    batch: int,
+    kv_heads: int,
+    rows: int,
+    device: torch.device,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float32,
+) -> str:
+    """The formulation `impl` names, "auto" resolved for a step of `rows` query rows per KV head (G * T) over K/V of
+    `head_dim` and `dtype`. On the CPU, for a step of at most SPLIT_MAX_ROWS rows: "decode_kernel" where the kernel
+    takes the shapes and is built (SmolLM2-135M decode attention at 8k keys, 30 layers, 2 threads: 20 ms against
+    split_key's 32 and sdpa_folded's 38, profiles/RESULTS.md); else "split_key" when the batch's KV heads, the work
+    items SDPA's CPU kernel then has, do not spread evenly over torch's threads (SmolLM2 at 8k: 9% faster than
+    sdpa_folded; Llama-3.1-8B's 8 KV heads: 2-4% slower); else "sdpa_folded", as for prefill chunks (384 rows:
+    enough query blocks) and off the CPU (no GPU has run split_key yet; compiled CUDA steps can take "flex")."""
+    kernel = cpu_kernel.supports(rows, head_dim, dtype, device)
+    if impl == "decode_kernel":  # named: the kernel where it applies (and builds), the general formulation elsewhere
+        return impl if kernel and cpu_kernel.available() else "sdpa_folded"
     if impl != AUTO:
         return impl
+    if rows <= SPLIT_MAX_ROWS and kernel and cpu_kernel.available():
+        return "decode_kernel"
     if device.type == "cpu" and rows <= SPLIT_MAX_ROWS and (batch * kv_heads) % _threads():
         return "split_key"
     return "sdpa_folded"
@@ -235,6 +255,14 @@ def _split_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: StepMask
     return split_key_attention(q, k, v, mask.bias, mask.visible, mask.real)
 
 
+def _decode_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, n_new: torch.Tensor
+) -> torch.Tensor:
+    # resolve_impl chose it only where the kernel is built and takes these shapes; the mask is the lengths, read
+    # inside the kernel.
+    return cpu_kernel.decode_attention(q, k, v, lens, n_new)
+
+
 _IMPL_FNS = {
     "matmul": _matmul, "sdpa": _sdpa, "matmul_qk": _matmul_qk, "sdpa_folded": _sdpa_folded,
     "split_key": _split_key,
@@ -258,13 +286,16 @@ def grouped_attention(
     """
     if impl not in CHOICES:
         raise ValueError(f"impl must be one of {CHOICES}, got {impl!r}")
-    impl = resolve_impl(impl, q.shape[0], k.shape[1], q.shape[1] // max(1, k.shape[1]) * q.shape[2], q.device)
+    rows = q.shape[1] // max(1, k.shape[1]) * q.shape[2]
+    impl = resolve_impl(impl, q.shape[0], k.shape[1], rows, q.device, q.shape[3], k.dtype)
     if k.shape[2] == 0 or q.shape[2] == 0:  # nothing cached, or no query slot (static shapes: fine under compile)
         return torch.zeros_like(q)
     if mask is not None and mask.causal:
         return _causal_fresh(q, k, v)
     if impl == "flex":  # its mask is a function of the lengths, evaluated inside the kernel
         return _flex(q, k, v, lens, n_new)
+    if impl == "decode_kernel":
+        return _decode_kernel(q, k, v, lens, n_new)
     if mask is None:
         groups = q.shape[1] // k.shape[1]
         mask = step_mask(lens, n_new, q.shape[2], k.shape[2], groups=groups, dtype=q.dtype, impl=impl)

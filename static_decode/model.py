@@ -168,17 +168,20 @@ def step_attention(
     T: int,
     read_len: int,
     dtype: torch.dtype,
+    head_dim: int,
+    kv_dtype: torch.dtype,
     *,
     fresh: bool = False,
 ) -> tuple[str, StepMask | None]:
     """The formulation one step's attention runs (`attention.resolve_impl`: "auto" by device, batch, KV heads and
     query rows) and its mask, built once and shared by the layers: FRESH for a fresh chunk (causal SDPA, no mask),
-    None where there is nothing to mask (flex evaluates its own inside the kernel; no keys or no slots), else
+    None where there is nothing to mask (flex and decode_kernel evaluate their own inside the kernel; no keys or
+    no slots), else
     `attention.step_mask`."""
-    impl = resolve_impl(impl, lens_after.shape[0], kv_heads, groups * T, lens_after.device)
+    impl = resolve_impl(impl, lens_after.shape[0], kv_heads, groups * T, lens_after.device, head_dim, kv_dtype)
     if fresh:
         return impl, FRESH
-    if impl == "flex" or read_len <= 0 or T <= 0:
+    if impl in ("flex", "decode_kernel") or read_len <= 0 or T <= 0:
         return impl, None
     return impl, step_mask(lens_after, n_new, T, read_len, groups=groups, dtype=dtype, impl=impl)
 
@@ -324,7 +327,8 @@ class Llama(nn.Module):
         else:
             groups = self.config.num_heads // self.config.num_kv_heads
             impl, mask = step_attention(
-                self.attn_impl, groups, cache.kv_heads, lens_after, n_new, T, read_len, self.dtype, fresh=fresh
+                self.attn_impl, groups, cache.kv_heads, lens_after, n_new, T, read_len, self.dtype,
+                cache.head_dim, cache.dtype, fresh=fresh,
             )
             x = run_blocks(self.layers, x, cos, sin, cache, n_new, lens_after, read_len, impl, mask)
         cache.advance(n_new)

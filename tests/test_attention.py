@@ -273,10 +273,13 @@ def test_a_fresh_chunk_reads_k_and_v_in_place() -> None:
     assert not copies
 
 
-def test_auto_resolves_per_device_batch_and_kv_heads() -> None:
-    """"auto": split_key on the CPU when batch x KV heads does not divide over the threads, else sdpa_folded."""
+def test_auto_resolves_per_device_batch_and_kv_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto" without the CPU kernel (tests/test_cpu_kernel.py checks it with): split_key on the CPU when batch x KV
+    heads does not divide over the threads, else sdpa_folded."""
+    from static_decode import cpu_kernel
     from static_decode.attention import resolve_impl
 
+    monkeypatch.setattr(cpu_kernel, "_state", {"ok": False})
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     before = torch.get_num_threads()
     try:

@@ -166,7 +166,7 @@ def test_bench_run_json_plot_and_profile(checkpoint, tmp_path, capsys):
     assert full == {5: 32, 20: 32}  # full-read always reads max_len
     # asked for + this sweep's max_len (one rung), for every formulation that runs eagerly (flex: CUDA, compiled)
     assert {(r["impl"], r["length"]) for r in doc["attention"]} == {
-        (i, n) for i in ("matmul", "sdpa", "matmul_qk", "sdpa_folded", "split_key") for n in (64, 32)}
+        (i, n) for i in ("matmul", "sdpa", "matmul_qk", "sdpa_folded", "split_key", "decode_kernel") for n in (64, 32)}
     for r in doc["attention"]:
         assert set(r) >= {"length", "ms", "gbps", "bandwidth_fraction"} and r["ms"] > 0
     assert "transformers_over_static_decode" in doc["targets"]

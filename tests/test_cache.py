@@ -213,7 +213,7 @@ def test_no_copy_at_the_aten_level(impl: str) -> None:
     (T > 1) that reshape copies the boolean mask (B*G*T*S bools). That is the one copy it makes; K and V never."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    cache = StaticKVCache(2, 2, 64, 8)
+    cache = StaticKVCache(2, 2, 64, 16)  # head_dim 16: decode_kernel takes both steps
     kv = _storages(cache.k, cache.v)
     seen: list[str] = []
     copies: list[tuple[str, torch.dtype, tuple[int, ...], bool]] = []  # forbidden ops: (name, dtype, shape, on K/V)
@@ -228,10 +228,10 @@ def test_no_copy_at_the_aten_level(impl: str) -> None:
             return func(*args, **(kwargs or {}))
 
     with Spy():
-        cache.append(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), [5, 3])
-        gqa_attention(torch.randn(2, 8, 5, 8), cache, [5, 3], impl=impl)  # a chunk: T = 5
-        cache.append(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), [1, 1])
-        gqa_attention(torch.randn(2, 8, 1, 8), cache, [1, 1], impl=impl, read_len=32)  # decode: T = 1
+        cache.append(torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16), [5, 3])
+        gqa_attention(torch.randn(2, 8, 5, 16), cache, [5, 3], impl=impl)  # a chunk: T = 5
+        cache.append(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), [1, 1])
+        gqa_attention(torch.randn(2, 8, 1, 16), cache, [1, 1], impl=impl, read_len=32)  # decode: T = 1
     assert seen
     assert not [c for c in copies if c[3]], copies  # nothing copies, repeats or concatenates K or V
     if impl == "sdpa_folded":
@@ -252,7 +252,8 @@ def test_no_copy_at_the_aten_level(impl: str) -> None:
 KV_WRITES = {"index_put_"}
 KV_VIEWS = {"select", "slice", "view", "_unsafe_view", "as_strided", "expand", "transpose", "t", "permute",
             "unsqueeze", "squeeze", "alias"}
-KV_READERS = {"bmm", "mm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+KV_READERS = {"bmm", "mm", "decode_attention", "_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
               "_flash_attention_forward", "_efficient_attention_forward"}
 _DEVICE_CASES = [(impl, "cpu") for impl in EAGER_IMPLS] + [

@@ -1,0 +1,108 @@
+"""The CPU decode-attention kernel (csrc/decode_attention.cpp): built on first use, then an op like any other.
+
+Why a kernel: a decode step has G * T query rows per KV head (3 for SmolLM2-135M). SDPA's CPU flash kernel runs each
+key block as two GEMMs that small, and inductor's reductions reread K per query row or sum V along a strided axis:
+every formulation read SmolLM2's cache at 10-13 GB/s against ~25 GB/s for a plain sum (profiles/RESULTS.md). The
+kernel loads each key row once for all the rows of its group, keeps a block's scores in L1 and splits the key axis
+across threads (flash-decoding). It is registered as `torch.ops.static_decode_cpu.decode_attention` with a shape-only
+Meta kernel, so a compiled step calls it like an aten op, with no graph break.
+
+Built with torch.utils.cpp_extension (the compiler inductor already needs on the CPU) for the vector ISA torch
+itself dispatches to here (`torch.backends.cpu.get_cpu_capability()`), into torch's extension cache
+($TORCH_EXTENSIONS_DIR): ~25 s once per machine and source version, then a load. Without a compiler, or with
+STATIC_DECODE_CPU_KERNEL=0, `available()` is False and attention takes the formulations without it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+ENV = "STATIC_DECODE_CPU_KERNEL"  # "0": never build or use the kernel
+MAX_ROWS = 64  # query rows per KV head the kernel takes (kMaxRows)
+MAX_HEAD_DIM = 256
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # K/V; the queries may be any of them, math in float32
+
+# The flags inductor compiles its own CPU kernels with for each ISA (torch/_inductor/cpu_vec_isa.py), so the
+# kernel's at::vec types are the widths torch uses: AVX-512 here, 16 floats a vector.
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+_VEC_FLOATS = {"AVX512": 16, "AVX2": 8}
+
+_state: dict[str, bool] = {}
+
+
+def capability() -> str:
+    """The ISA the kernel is built for: torch's own CPU capability when it is one the flags above cover, else the
+    portable DEFAULT (at::vec's generic 8-float vectors, compiled without ISA flags)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap if cap in _ISA_FLAGS else "DEFAULT"
+
+
+capability._dynamo_marked_constant = True  # type: ignore[attr-defined]  # dynamo cannot trace the capability query
+
+
+def vector_floats() -> int:
+    """Floats in one of the kernel's vectors: a supported head_dim is a multiple of it."""
+    return _VEC_FLOATS.get(capability(), 8)
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load  # imported here: it pulls in setuptools
+
+    cap = capability()
+    # -fopenmp: at::parallel_for is a header-inline `#pragma omp parallel` in torch's OpenMP build; without the
+    # flag the pragma is dropped and the kernel runs on one thread (measured: 2x slower on 2 threads).
+    flags = ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}", *_ISA_FLAGS.get(cap, [])]
+    load(name=f"static_decode_cpu_{cap.lower()}", sources=[str(SOURCE)], extra_cflags=flags,
+         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+
+
+def available() -> bool:
+    """Whether the kernel is loaded, building it the first time (once per process; a failed build warns once and
+    leaves attention on the other formulations). A constant for torch.compile: decided when a step is traced."""
+    if "ok" not in _state:
+        if os.environ.get(ENV, "1") == "0":
+            _state["ok"] = False
+        else:
+            try:
+                _build()
+                _state["ok"] = True
+            except Exception as err:  # no compiler, a failed build: attention still works without the kernel
+                warnings.warn(f"the CPU decode-attention kernel could not be built ({err}); using SDPA", stacklevel=2)
+                _state["ok"] = False
+    return _state["ok"]
+
+
+# Dynamo calls it at trace time and bakes the answer in (what torch.compiler.assume_constant_result marks; set by
+# hand so this module never imports torch._dynamo).
+available._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def supports(rows: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernel takes a step of `rows` query rows per KV head, `head_dim`, K/V `dtype`, on `device`
+    (without building it)."""
+    return (
+        device.type == "cpu" and 1 <= rows <= MAX_ROWS and dtype in DTYPES
+        and head_dim % vector_floats() == 0 and head_dim <= MAX_HEAD_DIM
+    )
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, n_new: torch.Tensor
+) -> torch.Tensor:
+    """q [B, Hq, T, d]; k/v [B, Hkv, S, d] cache views (rows contiguous); lens/n_new [B] int64, lens counting the
+    chunk. Slot t of row b sees keys 0..lens[b] - n_new[b] + t; a padded slot (t >= n_new[b]) returns zeros.
+    Returns [B, Hq, T, d] in q's dtype. Call `available()` first."""
+    B, Hq, T, d = q.shape
+    Hkv = k.shape[1]
+    qf = q.reshape(B, Hkv, Hq // Hkv * T, d)  # [B, Hkv, G*T, d]: row g*T + t; a group shares its KV head
+    out = torch.ops.static_decode_cpu.decode_attention(qf, k, v, lens, n_new, T, 1.0 / math.sqrt(d))  # [B, Hkv, G*T, d]
+    return out.view(B, Hq, T, d)
