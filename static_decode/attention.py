@@ -290,6 +290,10 @@ def grouped_attention(
     impl = resolve_impl(impl, q.shape[0], k.shape[1], rows, q.device, q.shape[3], k.dtype)
     if k.shape[2] == 0 or q.shape[2] == 0:  # nothing cached, or no query slot (static shapes: fine under compile)
         return torch.zeros_like(q)
+    if k.dtype != q.dtype and impl != "decode_kernel":
+        # A cache in another dtype (Llama.kv_dtype): the SDPA formulations take one dtype, so the queries join the
+        # cache's (never the other way: converting K/V would copy the whole read) and the output returns to q's.
+        return grouped_attention(q.to(k.dtype), k, v, lens, n_new, impl=impl, mask=mask).to(q.dtype)
     if mask is not None and mask.causal:
         return _causal_fresh(q, k, v)
     if impl == "flex":  # its mask is a function of the lengths, evaluated inside the kernel

@@ -170,10 +170,10 @@ class Generator:
         draft_vocab = m.config.vocab_size if draft is not None else 0
         need = generation_bytes(
             m.config, batch, self.max_len, self.chunk_size, len(self.eos_token_ids), m.dtype, kv_heads=m.kv_heads,
-            draft_tokens=K, draft_vocab=draft_vocab, long_chunk=self.long_chunk,
+            draft_tokens=K, draft_vocab=draft_vocab, long_chunk=self.long_chunk, kv_dtype=m.kv_dtype,
         )
         if draft is not None:
-            need += cache_bytes(draft.config, batch, self.max_len, draft.dtype, kv_heads=draft.kv_heads)
+            need += cache_bytes(draft.config, batch, self.max_len, draft.kv_dtype, kv_heads=draft.kv_heads)
         check_fits(need, m.device, "the KV cache and step buffers")
         close = getattr(self.runner, "close", None)
         if close is not None:  # compiled steps over the old cache would otherwise keep it alive (CUDA graphs)

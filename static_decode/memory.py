@@ -80,15 +80,18 @@ def generation_bytes(
     draft_tokens: int = 0,
     draft_vocab: int = 0,
     long_chunk: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
     """Device bytes a Generator allocates for `batch` rows of `max_len` tokens: the KV cache (with its one spare
-    position) plus the step buffers, whose output holds max_len tokens per row (a draft model's own cache is
-    `cache_bytes` of its config, added by the caller). Python ints: no overflow however large max_len is."""
+    position; in `kv_dtype`, default `dtype`) plus the step buffers, whose output holds max_len tokens per row (a
+    draft model's own cache is `cache_bytes` of its config, added by the caller). Python ints: no overflow however
+    large max_len is."""
     batch = check_int("batch", batch, minimum=0)
     max_len = check_int("max_len", max_len, minimum=1)
     chunk_size = check_int("chunk_size", chunk_size, minimum=1)
     eos_slots = check_int("eos_slots", eos_slots, minimum=0)
-    return cache_bytes(config, batch, max_len, dtype, kv_heads=kv_heads) + buffer_bytes(
+    kv = dtype if kv_dtype is None else kv_dtype
+    return cache_bytes(config, batch, max_len, kv, kv_heads=kv_heads) + buffer_bytes(
         batch, chunk_size, max_len, config.hidden_size, eos_slots, dtype, draft_tokens, draft_vocab, long_chunk
     )
 

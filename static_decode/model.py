@@ -43,6 +43,8 @@ from static_decode.cache import IntsLike, LayerSpan, StaticKVCache
 from static_decode.config import LlamaConfig
 from static_decode.parallel import SINGLE, TensorParallel
 
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # Llama.kv_dtype
+
 
 def hf_name(name: str) -> str:
     """The transformers state-dict key of one of our parameters."""
@@ -120,7 +122,8 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, Hq, T, d], [B, Hkv, T, d]
         v = _project(self.v_proj, x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, d]
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        cache.write(layer, k, v, n_new)  # at the old lengths; padded slots go to the spare row
+        kv = cache.k.dtype  # the model's dtype, or the cache's own (Llama.kv_dtype): rounded once, here
+        cache.write(layer, k.to(kv), v.to(kv), n_new)  # at the old lengths; padded slots go to the spare row
         k_all, v_all = cache.layer_view(layer, read_len)  # [B, Hkv, read_len, d] views
         out = grouped_attention(q, k_all, v_all, lens_after, n_new, impl=impl, mask=mask)  # [B, Hq, T, d]
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)  # [B, T, Hq_local * d]
@@ -183,7 +186,9 @@ def step_attention(
         return impl, FRESH
     if impl in ("flex", "decode_kernel") or read_len <= 0 or T <= 0:
         return impl, None
-    return impl, step_mask(lens_after, n_new, T, read_len, groups=groups, dtype=dtype, impl=impl)
+    # The SDPA formulations run in the cache's dtype (grouped_attention casts the queries to it), so their additive
+    # mask is built in it.
+    return impl, step_mask(lens_after, n_new, T, read_len, groups=groups, dtype=kv_dtype, impl=impl)
 
 
 def run_blocks(
@@ -229,7 +234,11 @@ class Llama(nn.Module):
     """A Llama-family causal LM whose attention reads and writes a `StaticKVCache`.
 
     `attn_impl` picks the core attention formulation (attention.CHOICES; "auto" resolves per step from the device,
-    batch and KV heads: attention.resolve_impl); it is a runtime choice, not part of the checkpoint. `tp` makes
+    batch and KV heads: attention.resolve_impl); it is a runtime choice, not part of the checkpoint. `kv_dtype`
+    (None: the model's dtype) is the dtype `new_cache` stores K/V in, also a runtime choice: a bfloat16 or float16
+    cache for a float32 model halves the bytes a long-context decode step reads (llama.cpp's default is an f16
+    cache); K/V are rounded once when written, the CPU kernel widens them back to float32 math, the SDPA
+    formulations compute in the cache's dtype. `tp` makes
     this the rank's shard of a tensor-parallel model (static_decode.parallel); a world size that does not divide
     the KV heads (or the MLP width) is refused here.
     """
@@ -245,6 +254,7 @@ class Llama(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         attn_impl: str = DEFAULT_IMPL,
+        kv_dtype: torch.dtype | None = None,
         tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
@@ -258,6 +268,7 @@ class Llama(nn.Module):
             raise TypeError(f"tp must be a static_decode.parallel.TensorParallel, got {type(tp).__name__}")
         tp.check(config)
         self.config, self.attn_impl, self.tp = config, attn_impl, tp
+        self.kv_dtype = kv_dtype
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)  # replicated
         self.layers = nn.ModuleList(Block(config, **kw, tp=tp) for _ in range(config.num_layers))
@@ -288,6 +299,19 @@ class Llama(nn.Module):
         """KV heads this process holds (all of them at world 1, num_kv_heads / world under tp)."""
         return self.config.num_kv_heads // self.tp.world
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of the K/V caches `new_cache` makes (the model's own unless set)."""
+        return self._kv_dtype if self._kv_dtype is not None else self.dtype
+
+    @kv_dtype.setter
+    def kv_dtype(self, dtype: torch.dtype | str | None) -> None:
+        if isinstance(dtype, str):
+            dtype = KV_DTYPES.get(dtype, dtype)
+        if dtype is not None and dtype not in KV_DTYPES.values():
+            raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)} or None (the model's dtype), got {dtype!r}")
+        self._kv_dtype = dtype
+
     def check_max_len(self, max_len: int) -> None:
         """Refuse a cache length this model cannot attend over exactly (a sliding window shorter than max_len),
         naming `sliding_window` and both numbers; allocates nothing."""
@@ -303,7 +327,7 @@ class Llama(nn.Module):
             max_len,
             c.head_dim,
             layers=c.num_layers,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
 
@@ -349,7 +373,7 @@ class Llama(nn.Module):
     def check_cache(self, cache: StaticKVCache) -> None:
         """Refuse a cache that was not made for this model (shape, dtype or device)."""
         c = self.config
-        want = (c.num_layers, self.kv_heads, c.head_dim, self.dtype, self.device)
+        want = (c.num_layers, self.kv_heads, c.head_dim, self.kv_dtype, self.device)
         got = (cache.layers, cache.kv_heads, cache.head_dim, cache.dtype, cache.device)
         if want != got:
             raise ValueError(

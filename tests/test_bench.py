@@ -213,6 +213,21 @@ def test_gguf_option_reaches_the_config_and_the_command(tmp_path):
     bench_config.BenchConfig(gguf=tmp_path / "missing.gguf", systems=("static-decode",))  # not used: not checked
 
 
+def test_kv_dtype_option_reaches_the_config_the_command_and_the_model(checkpoint):
+    _, path = checkpoint
+    config = bench.config_from_args(_args(
+        "--model", str(path), "--kv-dtype", "bfloat16", "--no-attention", "--systems", "static-decode",
+        "--contexts", "8", "--max-len", "32", "--steps", "2", "--repeats", "1", "--warmup", "0",
+        "--compile-backend", "eager", "--threads", "1", "--quiet",
+    ))
+    assert config.kv_dtype == "bfloat16" and "--kv-dtype bfloat16" in config.command(1)
+    with pytest.raises(SystemExit):
+        _args("--kv-dtype", "int8")
+    doc = bench_run.run(config)
+    assert (doc["model"]["dtype"], doc["model"]["kv_dtype"]) == ("float32", "bfloat16")
+    assert doc["rows"] and doc["rows"][0]["ms_per_token"] > 0
+
+
 # ---- options and refusals ------------------------------------------------------------------------------------
 def _args(*argv: str) -> argparse.Namespace:
     return cli.build_parser().parse_args(["bench", *argv])
@@ -289,4 +304,6 @@ def test_long_context_target_from_the_bytes_ratio():
         (25, 2.0, 2.0, True), (50, 3.0, 4.0, False)
     ]
     assert g["by_context"][1]["llama_cpp_over_static_decode"] == 1.25 and g["met"] is False
+    # a bfloat16 cache for the float32 model (--kv-dtype): the live K/V count at 2 bytes
+    assert bench_report.bytes_per_token({**model, "kv_dtype": "bfloat16"}, 25) == 4000 + 25 * 80
 

@@ -30,6 +30,7 @@ class BenchConfig:
     threads: int | None = None  # torch intra-op threads; None: every core
     device: str | None = None
     dtype: str | None = None
+    kv_dtype: str | None = None  # static-decode's K/V cache dtype (Llama.kv_dtype); None: the model's
     attention_lengths: tuple[int, ...] | None = ATTENTION_LENGTHS  # None: no attention rows
     transformers_compile: bool = True
     settings: Any = None
@@ -74,6 +75,7 @@ def command(config: BenchConfig, threads: int) -> str:
     parts += [f"--gguf {config.gguf}"] if config.gguf else []
     parts += [f"--device {config.device}"] if config.device else []
     parts += [f"--dtype {config.dtype}"] if config.dtype else []
+    parts += [f"--kv-dtype {config.kv_dtype}"] if config.kv_dtype else []
     if config.attention_lengths is None:
         parts.append("--no-attention")
     else:

@@ -31,9 +31,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 def bytes_per_token(model: dict[str, Any], context: int) -> int:
-    """Bytes a decode step must read at `context` live tokens: every weight once plus the live K/V (the floor)."""
+    """Bytes a decode step must read at `context` live tokens: every weight once plus the live K/V (the floor),
+    the K/V in the cache's own dtype (`kv_dtype`; older documents: the model's)."""
     size = DTYPE_BYTES[model["dtype"]]
-    kv = 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * size  # K and V of one token, all layers
+    kv_size = DTYPE_BYTES[model.get("kv_dtype", model["dtype"])]
+    kv = 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * kv_size  # K and V of one token, all layers
     return model["parameters"] * size + context * kv
 
 

@@ -180,6 +180,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
     device = check_device(config.device)  # one line for a device this machine lacks, before the model loads
     doc: dict[str, Any] = {"machine": machine(threads, device)}
     model = load_model(path, dtype=config.dtype, device=device, tp=tp)
+    model.kv_dtype = config.kv_dtype
     if tp.enabled:
         doc["machine"]["tensor_parallel"] = {"world": tp.world, "backend": tp.backend()}
     c = model.config
@@ -189,6 +190,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in model.parameters()), "layers": c.num_layers,
         "hidden": c.hidden_size, "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
         "vocab": c.vocab_size, "dtype": str(model.dtype).removeprefix("torch."),
+        "kv_dtype": str(model.kv_dtype).removeprefix("torch."),
     }
     doc["bench"] = {
         "command": config.command(threads),

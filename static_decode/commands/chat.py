@@ -80,6 +80,7 @@ def run_chat(args: argparse.Namespace) -> int:
         raise ValueError(f"chat needs a chat template (chat_template.jinja or tokenizer_config.json's chat_template) "
                          f"in {path}")
     model = load_model(path, dtype=args.dtype, device=device, tp=tp)
+    model.kv_dtype = getattr(args, "kv_dtype", None)
     max_len = args.max_len or min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)
     spec = speculation(args, model)
     capture = capture_options(args.compile, args.temperature, spec)
@@ -136,5 +137,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="compile the steps")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="the K/V cache's dtype (default: the model's); a 16-bit cache halves long-context reads")
     add_speculation_arguments(p)
     p.set_defaults(run=run_chat, distributed=True)

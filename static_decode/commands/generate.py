@@ -36,6 +36,8 @@ def add_generation_arguments(p: argparse.ArgumentParser, *, demo: bool = False) 
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="compile the steps")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="the K/V cache's dtype (default: the model's); a 16-bit cache halves long-context reads")
     p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler Chrome trace of the run here")
     add_speculation_arguments(p)
     if not demo:
@@ -70,6 +72,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"no checkpoint at {path}{hint}")
     tp = launch.tp if launch is not None else SINGLE
     model = load_model(path, dtype=args.dtype, device=device, tp=tp)
+    model.kv_dtype = getattr(args, "kv_dtype", None)
     tokenizer = load_tokenizer(path)
     chat = getattr(args, "chat", False)  # demo has no --chat
     if args.prompt_ids is not None:
