@@ -1,4 +1,5 @@
-"""The CPU decode-attention kernel (csrc/decode_attention.cpp): built on first use, then an op like any other.
+"""Our CPU kernels, built on first use, then ops like any others: decode attention (csrc/decode_attention.cpp) and
+the bfloat16 one-row product (csrc/gemv_bf16.cpp, where the CPU has AVX512-BF16; see `gemv_bf16`).
 
 Why a kernel: a decode step has G * T query rows per KV head (3 for SmolLM2-135M). SDPA's CPU flash kernel runs each
 key block as two GEMMs that small, and inductor's reductions reread K per query row or sum V along a strided axis:
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "gemv_bf16.cpp")]
 ENV = "STATIC_DECODE_CPU_KERNEL"  # "0": never build or use the kernel
 MAX_ROWS = 64  # query rows per KV head the kernel takes (kMaxRows)
 MAX_HEAD_DIM = 256
@@ -54,6 +55,14 @@ def vector_floats() -> int:
     return _VEC_FLOATS.get(capability(), 8)
 
 
+def bf16_dot() -> bool:
+    """Whether this CPU has AVX512-BF16's dot-product instruction (what gemv_bf16 is built with)."""
+    return capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported()
+
+
+bf16_dot._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def _build() -> None:
     from torch.utils.cpp_extension import load  # imported here: it pulls in setuptools
 
@@ -61,7 +70,9 @@ def _build() -> None:
     # -fopenmp: at::parallel_for is a header-inline `#pragma omp parallel` in torch's OpenMP build; without the
     # flag the pragma is dropped and the kernel runs on one thread (measured: 2x slower on 2 threads).
     flags = ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}", *_ISA_FLAGS.get(cap, [])]
-    load(name=f"static_decode_cpu_{cap.lower()}", sources=[str(SOURCE)], extra_cflags=flags,
+    flags += ["-mavx512bf16"] if bf16_dot() else []  # gemv_bf16's instruction; without it the op refuses to run
+    load(name=f"static_decode_cpu_{cap.lower()}{'_bf16' if bf16_dot() else ''}", sources=[str(s) for s in SOURCES],
+         extra_cflags=flags,
          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
@@ -106,3 +117,18 @@ def decode_attention(
     qf = q.reshape(B, Hkv, Hq // Hkv * T, d)  # [B, Hkv, G*T, d]: row g*T + t; a group shares its KV head
     out = torch.ops.static_decode_cpu.decode_attention(qf, k, v, lens, n_new, T, 1.0 / math.sqrt(d))  # [B, Hkv, G*T, d]
     return out.view(B, Hq, T, d)
+
+
+def gemv_ready(weight: torch.Tensor) -> bool:
+    """Whether `gemv_bf16` takes a product with this weight: bfloat16 and contiguous, on a CPU with AVX512-BF16,
+    the kernels built."""
+    return (
+        weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+        and weight.is_contiguous() and bf16_dot() and available()
+    )
+
+
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [K] (any float dtype; rounded to bfloat16, exact for a bfloat16 model) times weight [N, K] bfloat16 ->
+    [N] in x's dtype, accumulated in float32. Check `gemv_ready(weight)` first."""
+    return torch.ops.static_decode_cpu.gemv_bf16(x, weight)

@@ -152,3 +152,59 @@ def test_unsupported_shapes_are_refused_by_name() -> None:
     with pytest.raises(RuntimeError, match="head_dim 24"):
         torch.ops.static_decode_cpu.decode_attention(torch.zeros(1, 1, 1, 24), k, v, torch.ones(1, dtype=torch.int64),
                                                  torch.ones(1, dtype=torch.int64), 1, 1.0)
+
+
+# ---- the bfloat16 one-row product (csrc/gemv_bf16.cpp) ---------------------------------------------------------
+needs_bf16_dot = pytest.mark.skipif(not cpu_kernel.bf16_dot(), reason="this CPU has no AVX512-BF16")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 77), (8, 576), (9, 1536), (1001, 64), (4099, 576)])
+def test_gemv_matches_float64_on_bfloat16_values(n: int, k: int) -> None:
+    """Every row, any K (a tail past a multiple of 32 read masked), N not a multiple of the 8-row step: float32
+    accumulation of exact bfloat16 products against float64. The row comes in float32 (bfloat16 values), so the
+    output is not rounded: the tolerance is float32's."""
+    gen = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(k, generator=gen).bfloat16().float()
+    got = cpu_kernel.gemv_bf16(x, w)
+    assert got.shape == (n,) and got.dtype == torch.float32
+    want = w.double() @ x.double()
+    torch.testing.assert_close(got.double(), want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+    out16 = cpu_kernel.gemv_bf16(x.bfloat16(), w)  # a bfloat16 row: the output rounds to bfloat16
+    assert out16.dtype == torch.bfloat16
+    torch.testing.assert_close(out16, want.bfloat16(), atol=0, rtol=2 ** -7)
+
+
+@needs_bf16_dot
+def test_projection_routes_one_bfloat16_row_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    from static_decode import projection
+
+    calls = []
+    real = cpu_kernel.gemv_bf16
+    monkeypatch.setattr(cpu_kernel, "gemv_bf16", lambda x, w: calls.append(tuple(w.shape)) or real(x, w))
+    w, b = torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16()
+    one, two = torch.randn(1, 1, 64).bfloat16(), torch.randn(1, 2, 64).bfloat16()
+    out = projection.linear(one, w, b)
+    assert out.shape == (1, 1, 40) and calls == [(40, 64)]
+    torch.testing.assert_close(out, torch.nn.functional.linear(one, w, b), atol=0.05, rtol=0.02)
+    projection.linear(two, w)  # a chunk of two rows: the GEMM
+    projection.linear(one.float(), w.float())  # float32: MKL's GEMV
+    projection.linear(one, w.t().contiguous().t())  # a non-contiguous weight
+    assert calls == [(40, 64)]
+
+
+@needs_bf16_dot
+def test_gemv_compiles_without_a_graph_break() -> None:
+    from static_decode import projection
+
+    w = torch.randn(300, 96).bfloat16()
+    x = torch.randn(1, 96).bfloat16()
+    fn = torch.compile(lambda x, w: projection.linear(torch.relu(x), w) * 2, fullgraph=True)
+    torch.testing.assert_close(fn(x, w), projection.linear(torch.relu(x), w) * 2, atol=0, rtol=0)
+
+
+@needs_bf16_dot
+def test_gemv_refuses_a_float32_weight_by_name() -> None:
+    with pytest.raises(RuntimeError, match="gemv_bf16: .*bfloat16.*Float"):
+        torch.ops.static_decode_cpu.gemv_bf16(torch.zeros(8), torch.zeros(4, 8))
