@@ -1,17 +1,20 @@
 """Our CPU kernels, built on first use, then ops like any others: decode attention (csrc/decode_attention.cpp) and
 the bfloat16 one-row product (csrc/gemv_bf16.cpp, where the CPU has AVX512-BF16; see `gemv_bf16`).
 
-Why a kernel: a decode step has G * T query rows per KV head (3 for SmolLM2-135M). SDPA's CPU flash kernel runs each
-key block as two GEMMs that small, and inductor's reductions reread K per query row or sum V along a strided axis:
-every formulation read SmolLM2's cache at 10-13 GB/s against ~25 GB/s for a plain sum (profiles/RESULTS.md). The
-kernel loads each key row once for all the rows of its group, keeps a block's scores in L1 and splits the key axis
-across threads (flash-decoding). It is registered as `torch.ops.static_decode_cpu.decode_attention` with a shape-only
-Meta kernel, so a compiled step calls it like an aten op, with no graph break.
+Why an attention kernel: a decode step has G * T query rows per KV head (3 for SmolLM2-135M). SDPA's CPU flash
+kernel runs each key block as two GEMMs that small, and inductor's reductions reread K per query row or sum V along
+a strided axis: every formulation read SmolLM2's cache at 10-13 GB/s against ~25 GB/s for a plain sum
+(profiles/RESULTS.md). The kernel loads each key row once for all the rows of its group, keeps a block's scores in L1 and splits the key axis
+across threads (flash-decoding). Why a GEMV: a batch-1 decode step reads every weight once, and torch's bfloat16
+GEMV reads them at 10-19 GB/s here; AVX512-BF16's dot-product instruction with prefetched rows reads at 25-27, the
+memory's rate. Both are registered under `torch.ops.static_decode_cpu` with shape-only Meta kernels, so a compiled
+step calls them like aten ops, with no graph break.
 
 Built with torch.utils.cpp_extension (the compiler inductor already needs on the CPU) for the vector ISA torch
 itself dispatches to here (`torch.backends.cpu.get_cpu_capability()`), into torch's extension cache
 ($TORCH_EXTENSIONS_DIR): ~25 s once per machine and source version, then a load. Without a compiler, or with
-STATIC_DECODE_CPU_KERNEL=0, `available()` is False and attention takes the formulations without it.
+STATIC_DECODE_CPU_KERNEL=0, `available()` is False and attention and the projections take the formulations
+without them.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "gemv_bf16.cpp")]
-ENV = "STATIC_DECODE_CPU_KERNEL"  # "0": never build or use the kernel
+ENV = "STATIC_DECODE_CPU_KERNEL"  # "0": never build or use the kernels
 MAX_ROWS = 64  # query rows per KV head the kernel takes (kMaxRows)
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # K/V; the queries may be any of them, math in float32
