@@ -4,11 +4,11 @@ the bfloat16 one-row product (csrc/gemv_bf16.cpp, where the CPU has AVX512-BF16;
 Why an attention kernel: a decode step has G * T query rows per KV head (3 for SmolLM2-135M). SDPA's CPU flash
 kernel runs each key block as two GEMMs that small, and inductor's reductions reread K per query row or sum V along
 a strided axis: every formulation read SmolLM2's cache at 10-13 GB/s against ~25 GB/s for a plain sum
-(profiles/RESULTS.md). The kernel loads each key row once for all the rows of its group, keeps a block's scores in L1 and splits the key axis
-across threads (flash-decoding). Why a GEMV: a batch-1 decode step reads every weight once, and torch's bfloat16
-GEMV reads them at 10-19 GB/s here; AVX512-BF16's dot-product instruction with prefetched rows reads at 25-27, the
-memory's rate. Both are registered under `torch.ops.static_decode_cpu` with shape-only Meta kernels, so a compiled
-step calls them like aten ops, with no graph break.
+(profiles/RESULTS.md). The kernel loads each key row once for all the rows of its group, keeps a block's scores in
+L1 and splits the key axis across threads (flash-decoding). Why a GEMV: a batch-1 decode step reads every weight
+once, and torch's bfloat16 GEMV reads them at 10-19 GB/s here; AVX512-BF16's dot-product instruction with
+prefetched rows reads at 25-27, the memory's rate. Both are registered under `torch.ops.static_decode_cpu` with
+shape-only Meta kernels, so a compiled step calls them like aten ops, with no graph break.
 
 Built with torch.utils.cpp_extension (the compiler inductor already needs on the CPU) for the vector ISA torch
 itself dispatches to here (`torch.backends.cpu.get_cpu_capability()`), into torch's extension cache
