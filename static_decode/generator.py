@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from capture.settings import CaptureOptions
-from static_decode import ranges, sampling
+from static_decode import cpu_kernel, ranges, sampling
 from static_decode.cache import StaticKVCache
 from static_decode.checks import check_int
 from static_decode.memory import cache_bytes, check_fits, generation_bytes
@@ -123,6 +123,10 @@ class Generator:
                 speculate.check_target(model)
                 speculate.model.check_max_len(self.max_len)
         self.speculate = speculate
+        if model.device.type == "cpu":
+            # Build (or load) the CPU kernels now: the first step to need them would otherwise pay the one-time
+            # ~25 s build inside its own timing (a demo's first decode, a bench's first request).
+            cpu_kernel.available()
         if isinstance(speculate, DraftModel):
             self.long_chunk = 0  # a draft model prefills chunk by chunk beside the target (its draft_prefill kind)
         self.draft_cache: StaticKVCache | None = None  # a DraftModel's own cache, allocated with the target's

@@ -209,3 +209,15 @@ def test_gemv_compiles_without_a_graph_break() -> None:
 def test_gemv_refuses_a_float32_weight_by_name() -> None:
     with pytest.raises(RuntimeError, match="gemv_bf16: .*bfloat16.*Float"):
         torch.ops.static_decode_cpu.gemv_bf16(torch.zeros(8), torch.zeros(4, 8))
+
+
+def test_a_cpu_generator_builds_the_kernels_before_any_timed_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-time build happens when the Generator is made, not inside the first step's timing."""
+    from static_decode import Generator
+    from static_decode.loading import default_model_path, load_model
+
+    builds = []
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    monkeypatch.setattr(cpu_kernel, "_build", lambda: builds.append(1))
+    Generator(load_model(default_model_path()), max_len=64, compile=False)
+    assert builds == [1] and cpu_kernel._state == {"ok": True}
