@@ -71,7 +71,7 @@ def _region(
 ) -> Tensor:
     """One span of blocks: what is compiled apart. k, v: [n, B, Hkv, max_len + spare, d] of the span's layers."""
     impl, mask = step_attention(
-        impl, groups, k.shape[2], lens_after, n_new, x.shape[1], read_len, x.dtype, k.shape[-1], k.dtype, fresh=fresh
+        impl, groups, k.shape[2], lens_after, n_new, x.shape[1], read_len, k.shape[-1], k.dtype, fresh=fresh
     )
     return run_blocks(blocks, x, cos, sin, LayerSpan(k, v, lens, max_len), n_new, lens_after, read_len, impl, mask)
 

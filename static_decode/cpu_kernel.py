@@ -41,13 +41,16 @@ _ISA_FLAGS = {
 _VEC_FLOATS = {"AVX512": 16, "AVX2": 8}
 
 _state: dict[str, bool] = {}
+_facts: dict[str, str | bool] = {}  # the CPU's capability, asked once: the eager projections consult it every call
 
 
 def capability() -> str:
     """The ISA the kernel is built for: torch's own CPU capability when it is one the flags above cover, else the
     portable DEFAULT (at::vec's generic 8-float vectors, compiled without ISA flags)."""
-    cap = torch.backends.cpu.get_cpu_capability()
-    return cap if cap in _ISA_FLAGS else "DEFAULT"
+    if "cap" not in _facts:
+        cap = torch.backends.cpu.get_cpu_capability()
+        _facts["cap"] = cap if cap in _ISA_FLAGS else "DEFAULT"
+    return str(_facts["cap"])
 
 
 capability._dynamo_marked_constant = True  # type: ignore[attr-defined]  # dynamo cannot trace the capability query
@@ -60,7 +63,9 @@ def vector_floats() -> int:
 
 def bf16_dot() -> bool:
     """Whether this CPU has AVX512-BF16's dot-product instruction (what gemv_bf16 is built with)."""
-    return capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported()
+    if "bf16" not in _facts:
+        _facts["bf16"] = capability() == "AVX512" and torch.cpu._is_avx512_bf16_supported()
+    return bool(_facts["bf16"])
 
 
 bf16_dot._dynamo_marked_constant = True  # type: ignore[attr-defined]
@@ -80,8 +85,9 @@ def _build() -> None:
 
 
 def available() -> bool:
-    """Whether the kernel is loaded, building it the first time (once per process; a failed build warns once and
-    leaves attention on the other formulations). A constant for torch.compile: decided when a step is traced."""
+    """Whether the kernels are loaded, building them the first time (once per process; a failed build warns once
+    and leaves attention and the projections on the other formulations). A constant for torch.compile: decided
+    when a step is traced."""
     if "ok" not in _state:
         if os.environ.get(ENV, "1") == "0":
             _state["ok"] = False
@@ -89,8 +95,9 @@ def available() -> bool:
             try:
                 _build()
                 _state["ok"] = True
-            except Exception as err:  # no compiler, a failed build: attention still works without the kernel
-                warnings.warn(f"the CPU decode-attention kernel could not be built ({err}); using SDPA", stacklevel=2)
+            except Exception as err:  # no compiler, a failed build: everything still works without the kernels
+                warnings.warn(f"the CPU kernels could not be built ({err}); attention and the projections use "
+                              "torch's own", stacklevel=2)
                 _state["ok"] = False
     return _state["ok"]
 

@@ -170,7 +170,6 @@ def step_attention(
     n_new: torch.Tensor,
     T: int,
     read_len: int,
-    dtype: torch.dtype,
     head_dim: int,
     kv_dtype: torch.dtype,
     *,
@@ -179,8 +178,7 @@ def step_attention(
     """The formulation one step's attention runs (`attention.resolve_impl`: "auto" by device, batch, KV heads and
     query rows) and its mask, built once and shared by the layers: FRESH for a fresh chunk (causal SDPA, no mask),
     None where there is nothing to mask (flex and decode_kernel evaluate their own inside the kernel; no keys or
-    no slots), else
-    `attention.step_mask`."""
+    no slots), else `attention.step_mask` in the cache's dtype `kv_dtype`."""
     impl = resolve_impl(impl, lens_after.shape[0], kv_heads, groups * T, lens_after.device, head_dim, kv_dtype)
     if fresh:
         return impl, FRESH
@@ -238,9 +236,8 @@ class Llama(nn.Module):
     (None: the model's dtype) is the dtype `new_cache` stores K/V in, also a runtime choice: a bfloat16 or float16
     cache for a float32 model halves the bytes a long-context decode step reads (llama.cpp's default is an f16
     cache); K/V are rounded once when written, the CPU kernel widens them back to float32 math, the SDPA
-    formulations compute in the cache's dtype. `tp` makes
-    this the rank's shard of a tensor-parallel model (static_decode.parallel); a world size that does not divide
-    the KV heads (or the MLP width) is refused here.
+    formulations compute in the cache's dtype. `tp` makes this the rank's shard of a tensor-parallel model
+    (static_decode.parallel); a world size that does not divide the KV heads (or the MLP width) is refused here.
     """
 
     inv_freq: torch.Tensor
@@ -351,8 +348,8 @@ class Llama(nn.Module):
         else:
             groups = self.config.num_heads // self.config.num_kv_heads
             impl, mask = step_attention(
-                self.attn_impl, groups, cache.kv_heads, lens_after, n_new, T, read_len, self.dtype,
-                cache.head_dim, cache.dtype, fresh=fresh,
+                self.attn_impl, groups, cache.kv_heads, lens_after, n_new, T, read_len, cache.head_dim, cache.dtype,
+                fresh=fresh,
             )
             x = run_blocks(self.layers, x, cos, sin, cache, n_new, lens_after, read_len, impl, mask)
         cache.advance(n_new)

@@ -4,8 +4,8 @@
 // Why a kernel of our own: SDPA's CPU flash kernel computes each key block as two small GEMMs, [M, d] x [d, Sb] and
 // [M, Sb] x [Sb, d], with M = G*T query rows per KV head: 3 rows for SmolLM2-135M, too few for a GEMM micro-kernel
 // to keep up with memory; inductor's own reductions either reread K per query row or sum V along a strided axis.
-// Here each key row is loaded once into registers and used by every query row of its KV head (rule 2: no KV repeat),
-// scores of a block of keys stay in L1, the softmax is online (running max and sum per row), and the key axis is
+// Here each block of key and value rows is read from memory once into L1 and used by every query row of its KV head
+// (rule 2: no KV repeat), scores of a block of keys stay in L1, the softmax is online (running max and sum per row), and the key axis is
 // split into independent work items (flash-decoding) so a batch-1 step of a model with 3 KV heads still feeds
 // every thread. Partial results are combined by their running maxima and sums.
 //
@@ -54,8 +54,7 @@ inline const float* float_rows<float>(const float* src, int64_t stride, int64_t 
 }
 
 // s[m * kBlock + j] = scale * q[m] . k[j] for the visible keys (j0 + j < limit[m]), -inf for the others. Row-major
-// over the queries: a query row stays in registers while the block's key rows (in L1) stream past it; measured 2x
-// faster than loading each key row once for all rows (the per-key horizontal sums then serialise).
+// over the queries: a query row stays in registers while the block's key rows (in L1) stream past it.
 template <int NX>
 inline void scores(const float* q, int64_t M, const float* kb, int64_t n, int64_t j0, const int64_t* limit,
                    float scale, float* s) {
