@@ -142,3 +142,15 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [K] (any float dtype; rounded to bfloat16, exact for a bfloat16 model) times weight [N, K] bfloat16 ->
     [N] in x's dtype, accumulated in float32. Check `gemv_ready(weight)` first."""
     return torch.ops.static_decode_cpu.gemv_bf16(x, weight)
+
+
+def gemv_bf16_cat3(x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """x [K] times three bfloat16 weights [Ni, K] in one call -> [N0 + N1 + N2] in x's dtype: the three
+    `gemv_bf16` products concatenated (q, k and v of a decode step). Check `gemv_ready` on each weight first."""
+    return torch.ops.static_decode_cpu.gemv_bf16_cat3(x, w0, w1, w2)
+
+
+def gemv_bf16_glu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(x gate^T) * (x up^T) for one row x [K] and bfloat16 gate/up [N, K] -> [N] in x's dtype, each product
+    rounded to x's dtype before the silu (as separate calls round it). Check `gemv_ready` on both first."""
+    return torch.ops.static_decode_cpu.gemv_bf16_glu(x, gate, up)

@@ -26,7 +26,6 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from static_decode import projection, rope
@@ -65,11 +64,6 @@ class RMSNorm(nn.Module):
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-def _project(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`linear(x)` in the formulation static_decode.projection picks (a one-row compiled CPU bf16 step streams)."""
-    return projection.linear(x, linear.weight, linear.bias)
 
 
 def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -114,13 +108,17 @@ class Attention(nn.Module):
         mask: StepMask | None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = _project(self.q_proj, x).view(B, T, self.heads, self.head_dim)  # [B, T, Hq, d]
-        k = _project(self.k_proj, x).view(B, T, self.kv_heads, self.head_dim)  # [B, T, Hkv, d]
+        q, k, v = projection.qkv(
+            x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+            self.q_proj.bias, self.k_proj.bias, self.v_proj.bias,
+        )  # [B, T, Hq * d], [B, T, Hkv * d] twice: one kernel call for a decode row where that applies
+        q = q.view(B, T, self.heads, self.head_dim)  # [B, T, Hq, d]
+        k = k.view(B, T, self.kv_heads, self.head_dim)  # [B, T, Hkv, d]
         if self.q_norm is not None and self.k_norm is not None:
             # Qwen3 normalises each head over d before rotating it (rope after the norm, as it was trained).
             q, k = self.q_norm(q), self.k_norm(k)  # [B, T, Hq, d], [B, T, Hkv, d]
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, Hq, T, d], [B, Hkv, T, d]
-        v = _project(self.v_proj, x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, d]
+        v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, d]
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         kv = cache.k.dtype  # the model's dtype, or the cache's own (Llama.kv_dtype): rounded once, here
         cache.write(layer, k.to(kv), v.to(kv), n_new)  # at the old lengths; padded slots go to the spare row
@@ -145,7 +143,8 @@ class MLP(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(_project(self.gate_proj, x)) * _project(self.up_proj, x)  # [B, T, inner]
+        g, u = self.gate_proj, self.up_proj
+        h = projection.glu(x, g.weight, u.weight, g.bias, u.bias)  # [B, T, inner]: silu(gate(x)) * up(x)
         return row_parallel(self.down_proj, h, self.tp)
 
 

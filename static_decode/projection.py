@@ -69,3 +69,47 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = (weight.float() * row).sum(dim=-1)  # [N] float32 accumulation, each weight row read once
     out = out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])  # [..., N]
     return out if bias is None else out + bias
+
+
+def _fusable(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether a one-row product by several weights takes one fused kernel call: one row, no bias, and our bf16
+    GEMV takes every weight."""
+    K = x.shape[-1]
+    return (
+        K > 0 and x.numel() == K and all(b is None for b in biases) and all(cpu_kernel.gemv_ready(w) for w in weights)
+    )
+
+
+def qkv(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    wv: torch.Tensor,
+    bq: torch.Tensor | None = None,
+    bk: torch.Tensor | None = None,
+    bv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three projections of one input (`linear` each); for one bfloat16 row on a CPU with AVX512-BF16, one
+    kernel call for all three (cpu_kernel.gemv_bf16_cat3: a dispatch and a fork of the threads instead of three;
+    each value is exactly what `linear` gives it)."""
+    if not _fusable(x, (wq, wk, wv), (bq, bk, bv)):
+        return linear(x, wq, bq), linear(x, wk, bk), linear(x, wv, bv)
+    out = cpu_kernel.gemv_bf16_cat3(x, wq, wk, wv)  # [Nq + Nk + Nv]
+    q, k, v = out.split([wq.shape[0], wk.shape[0], wv.shape[0]])
+    lead = x.shape[:-1]
+    return q.view(*lead, -1), k.view(*lead, -1), v.view(*lead, -1)
+
+
+def glu(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SwiGLU's inner activation, silu(linear(x, gate)) * linear(x, up); for one bfloat16 row on a CPU with
+    AVX512-BF16, one kernel call (cpu_kernel.gemv_bf16_glu: both products and the silu, each product rounded to
+    x's dtype first, as the separate calls round it)."""
+    if not _fusable(x, (gate, up), (b_gate, b_up)):
+        return F.silu(linear(x, gate, b_gate)) * linear(x, up, b_up)
+    return cpu_kernel.gemv_bf16_glu(x, gate, up).view(*x.shape[:-1], gate.shape[0])  # [..., N]

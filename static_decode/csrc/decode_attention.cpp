@@ -20,7 +20,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -84,11 +89,113 @@ inline void accumulate(float* acc, float alpha, const float* p, const float* vb,
   for (int x = 0; x < NX; ++x) a[x].store(acc + x * Vec::size());
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// r[j] = the sum of a[j]'s 16 lanes, for 16 vectors at once: a transposing tree of 15 adds and 30 shuffles, against
+// 16 horizontal reductions of ~8 dependent steps each (they were ~30% of the kernel's time with one per key).
+inline __m512 sum16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a2i, a2i+1, a2i, a2i+1] each a sum of two of its lanes
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a4i .. a4i+3], each that lane's sum
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores() for AVX-512: 16 keys at a time, their 16 dot products reduced together by sum16.
+template <int NX>
+inline void scores16(const float* q, int64_t M, const float* kb, int64_t n, int64_t j0, const int64_t* limit,
+                     float scale, float* s) {
+  constexpr int64_t d = NX * 16;
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 qm[NX];
+    for (int x = 0; x < NX; ++x) qm[x] = _mm512_loadu_ps(q + m * d + x * 16);
+    const int64_t visible = std::clamp<int64_t>(limit[m] - j0, 0, n);
+    for (int64_t jb = 0; jb < visible; jb += 16) {
+      const int64_t cnt = std::min<int64_t>(16, visible - jb);
+      __m512 a[16];
+      for (int j = 0; j < 16; ++j) {
+        a[j] = _mm512_setzero_ps();
+        if (j >= cnt) continue;  // rows past the visible ones are never read
+        const float* kr = kb + (jb + j) * d;
+        for (int x = 0; x < NX; ++x) a[j] = _mm512_fmadd_ps(qm[x], _mm512_loadu_ps(kr + x * 16), a[j]);
+      }
+      _mm512_mask_storeu_ps(s + m * kBlock + jb, static_cast<__mmask16>((1u << cnt) - 1),
+                            _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale)));
+    }
+    std::fill(s + m * kBlock + visible, s + m * kBlock + n, kNegInf);
+  }
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// scores16 for bfloat16 queries over a bfloat16 cache: AVX512-BF16's dot product takes 32 query x key products a
+// step straight from the cache's rows (no widening to float32, no scratch copy). The products are exact in float32;
+// only the order of the float32 sums differs from the float32 path.
+template <int NX>
+inline void scores16_bf16(const float* q, int64_t M, const at::BFloat16* k, int64_t ks, int64_t n, int64_t j0,
+                          const int64_t* limit, float scale, float* s) {
+  constexpr int NB = NX / 2;  // 32 bfloat16 values a vector
+  constexpr int64_t d = NX * 16;
+  for (int64_t m = 0; m < M; ++m) {
+    __m512bh qm[NB];  // the query row back in bfloat16: exact, it was bfloat16 before the float32 copy
+    for (int x = 0; x < NB; ++x)
+      qm[x] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + m * d + x * 32 + 16), _mm512_loadu_ps(q + m * d + x * 32));
+    const int64_t visible = std::clamp<int64_t>(limit[m] - j0, 0, n);
+    for (int64_t jb = 0; jb < visible; jb += 16) {
+      const int64_t cnt = std::min<int64_t>(16, visible - jb);
+      __m512 a[16];
+      for (int j = 0; j < 16; ++j) {
+        a[j] = _mm512_setzero_ps();
+        if (j >= cnt) continue;
+        const at::BFloat16* kr = k + (j0 + jb + j) * ks;
+        for (int x = 0; x < NB; ++x) a[j] = _mm512_dpbf16_ps(a[j], qm[x], (__m512bh)_mm512_loadu_si512(kr + x * 32));
+      }
+      _mm512_mask_storeu_ps(s + m * kBlock + jb, static_cast<__mmask16>((1u << cnt) - 1),
+                            _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale)));
+    }
+    std::fill(s + m * kBlock + visible, s + m * kBlock + n, kNegInf);
+  }
+}
+#endif
+
+// acc[row] = alpha[row] * acc[row] + sum_j p[row][j] * v[j] for the R rows of a group at once (r <= R used): each
+// value row is loaded once for the whole group, R x NX accumulators held in registers (R * NX <= 24).
+template <int NX, int R>
+inline void accumulate_rows(const int64_t* rows, int64_t r, float* acc, const float* alpha, const float* s,
+                            const float* vb, int64_t n) {
+  constexpr int64_t d = NX * Vec::size();
+  Vec a[R][NX];
+  for (int i = 0; i < R; ++i) {
+    if (i >= r) break;
+    for (int x = 0; x < NX; ++x) a[i][x] = Vec::loadu(acc + rows[i] * d + x * Vec::size()) * Vec(alpha[rows[i]]);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    Vec vr[NX];
+    for (int x = 0; x < NX; ++x) vr[x] = Vec::loadu(vb + j * d + x * Vec::size());
+    for (int i = 0; i < R; ++i) {
+      if (i >= r) break;
+      const Vec p(s[rows[i] * kBlock + j]);
+      for (int x = 0; x < NX; ++x) a[i][x] = at::vec::fmadd(p, vr[x], a[i][x]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    if (i >= r) break;
+    for (int x = 0; x < NX; ++x) a[i][x].store(acc + rows[i] * d + x * Vec::size());
+  }
+}
+
 // One work item: keys [s0, s1) of KV head (b, h) for its M query rows; leaves the unnormalised output acc [M, d],
 // the running max mx [M] and sum l [M] (l == 0: no visible key in this split).
 template <typename T, int NX>
-void split_item(const float* q, int64_t M, const T* k, int64_t ks, const T* v, int64_t vs, int64_t s0, int64_t s1,
-                const int64_t* limit, float scale, float* acc, float* mx, float* l) {
+void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, const T* v, int64_t vs, int64_t s0,
+                int64_t s1, const int64_t* limit, float scale, float* acc, float* mx, float* l) {
   constexpr int64_t d = NX * Vec::size();
   alignas(64) float kbuf[kBlock * d];
   alignas(64) float vbuf[kBlock * d];
@@ -96,11 +203,30 @@ void split_item(const float* q, int64_t M, const T* k, int64_t ks, const T* v, i
   std::fill(acc, acc + M * d, 0.f);
   std::fill(mx, mx + M, kNegInf);
   std::fill(l, l + M, 0.f);
+  constexpr int R = NX >= 24 ? 1 : 24 / NX;  // query rows accumulated together
+  float alpha[kMaxRows];
+  int64_t active[kMaxRows];
   for (int64_t j0 = s0; j0 < s1; j0 += kBlock) {
     const int64_t n = std::min(kBlock, s1 - j0);
     const int64_t nv = (n + Vec::size() - 1) / Vec::size() * Vec::size();
-    scores<NX>(q, M, float_rows<T>(k + j0 * ks, ks, n, d, kbuf), n, j0, limit, scale, s);
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, at::BFloat16> && NX % 2 == 0) {
+      if (bf16_q) {
+        scores16_bf16<NX>(q, M, k, ks, n, j0, limit, scale, s);
+      } else {
+        scores16<NX>(q, M, float_rows<T>(k + j0 * ks, ks, n, d, kbuf), n, j0, limit, scale, s);
+      }
+    } else
+#endif
+    {
+#if defined(CPU_CAPABILITY_AVX512)
+      scores16<NX>(q, M, float_rows<T>(k + j0 * ks, ks, n, d, kbuf), n, j0, limit, scale, s);
+#else
+      scores<NX>(q, M, float_rows<T>(k + j0 * ks, ks, n, d, kbuf), n, j0, limit, scale, s);
+#endif
+    }
     const float* vb = float_rows<T>(v + j0 * vs, vs, n, d, vbuf);
+    int64_t na = 0;  // rows with a visible key in this block
     for (int64_t m = 0; m < M; ++m) {
       float* sm = s + m * kBlock;
       std::fill(sm + n, sm + nv, kNegInf);  // whole vectors below
@@ -109,30 +235,30 @@ void split_item(const float* q, int64_t M, const T* k, int64_t ks, const T* v, i
       const float block_max = top.reduce_max();
       if (block_max == kNegInf) continue;  // no visible key in this block for this row
       const float new_max = std::max(mx[m], block_max);
-      const float alpha = std::exp(mx[m] - new_max);  // exp(-inf) = 0 on the first visible block
+      alpha[m] = std::exp(mx[m] - new_max);  // exp(-inf) = 0 on the first visible block
       Vec sum(0.f);
       for (int64_t j = 0; j < nv; j += Vec::size()) {
         const Vec e = (Vec::loadu(sm + j) - Vec(new_max)).exp_u20();  // masked keys: exp(-inf) = 0
         e.store(sm + j);
         sum = sum + e;
       }
-      l[m] = l[m] * alpha + sum.reduce_add();
+      l[m] = l[m] * alpha[m] + sum.reduce_add();
       mx[m] = new_max;
-      accumulate<NX>(acc + m * d, alpha, sm, vb, n);
+      active[na++] = m;
     }
+    for (int64_t g = 0; g < na; g += R)
+      accumulate_rows<NX, R>(active + g, std::min<int64_t>(R, na - g), acc, alpha, s, vb, n);
   }
 }
 
+// Every work item's partial result: part [B*H, nsplit, M*(d+2)] holds acc [M, d], mx [M], l [M] per item.
 template <typename T, int NX>
-void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lens, const int64_t* n_new,
-            int64_t slots, float scale, at::Tensor& out) {
+void attend(const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor& v, const int64_t* lens, const int64_t* n_new,
+            int64_t B, int64_t H, int64_t M, int64_t slots, int64_t nsplit, float scale, float* part) {
   constexpr int64_t d = NX * Vec::size();
-  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), S = k.size(2);
-  const int64_t nsplit = std::max<int64_t>(1, (S + kSplit - 1) / kSplit);
-  const float* qp = q.data_ptr<float>();
+  const int64_t S = k.size(2);
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
-  std::vector<float> part(B * H * nsplit * M * (d + 2));  // per item: acc [M, d], mx [M], l [M]
   at::parallel_for(0, B * H * nsplit, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t c = item % nsplit, h = (item / nsplit) % H, b = item / nsplit / H;
@@ -143,48 +269,55 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         limit[m] = t < n_new[b] ? std::clamp<int64_t>(lens[b] - n_new[b] + t + 1, 0, S) : 0;
         visible = std::max(visible, limit[m]);
       }
-      float* acc = part.data() + item * M * (d + 2);
-      split_item<T, NX>(qp + (b * H + h) * M * d, M, kp + b * k.stride(0) + h * k.stride(1), k.stride(2),
+      float* acc = part + item * M * (d + 2);
+      split_item<T, NX>(qp + (b * H + h) * M * d, bf16_q, M, kp + b * k.stride(0) + h * k.stride(1), k.stride(2),
                         vp + b * v.stride(0) + h * v.stride(1), v.stride(2), c * kSplit,
                         std::min(visible, (c + 1) * kSplit), limit, scale, acc, acc + M * d, acc + M * d + M);
     }
   });
-  // Combine the splits: out = sum_c e^(mx_c - top) acc_c / sum_c e^(mx_c - top) l_c; no visible key: zeros.
-  float* op = out.data_ptr<float>();
-  for (int64_t bh = 0; bh < B * H; ++bh) {
+}
+
+// Combine the splits into out (q's dtype O, written here: no float32 copy of q or of the output is allocated):
+// out = sum_c e^(mx_c - top) acc_c / sum_c e^(mx_c - top) l_c; no visible key: zeros.
+template <typename O>
+void combine(const float* part, int64_t BH, int64_t M, int64_t d, int64_t nsplit, O* op) {
+  float o[kMaxD];
+  for (int64_t bh = 0; bh < BH; ++bh) {
     for (int64_t m = 0; m < M; ++m) {
-      float* o = op + (bh * M + m) * d;
       std::fill(o, o + d, 0.f);
       float top = kNegInf;
       for (int64_t c = 0; c < nsplit; ++c) {
-        const float* p = part.data() + (bh * nsplit + c) * M * (d + 2);
+        const float* p = part + (bh * nsplit + c) * M * (d + 2);
         if (p[M * d + M + m] > 0.f) top = std::max(top, p[M * d + m]);
       }
-      if (top == kNegInf) continue;
-      float den = 0.f;
-      for (int64_t c = 0; c < nsplit; ++c) {
-        const float* p = part.data() + (bh * nsplit + c) * M * (d + 2);
-        const float lc = p[M * d + M + m];
-        if (!(lc > 0.f)) continue;
-        const float w = std::exp(p[M * d + m] - top);
-        den += w * lc;
-        for (int64_t x = 0; x < d; ++x) o[x] += w * p[m * d + x];
+      float den = 1.f;
+      if (top != kNegInf) {
+        den = 0.f;
+        for (int64_t c = 0; c < nsplit; ++c) {
+          const float* p = part + (bh * nsplit + c) * M * (d + 2);
+          const float lc = p[M * d + M + m];
+          if (!(lc > 0.f)) continue;
+          const float w = std::exp(p[M * d + m] - top);
+          den += w * lc;
+          for (int64_t x = 0; x < d; ++x) o[x] += w * p[m * d + x];
+        }
       }
-      for (int64_t x = 0; x < d; ++x) o[x] /= den;
+      O* dst = op + (bh * M + m) * d;
+      for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<O>(o[x] / den);
     }
   }
 }
 
 template <typename T>
-void dispatch_d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lens,
-                const int64_t* n_new, int64_t slots, float scale, at::Tensor& out) {
-  switch (q.size(3) / Vec::size()) {
-    case 1: return attend<T, 1>(q, k, v, lens, n_new, slots, scale, out);
-    case 2: return attend<T, 2>(q, k, v, lens, n_new, slots, scale, out);
-    case 4: return attend<T, 4>(q, k, v, lens, n_new, slots, scale, out);
-    case 8: return attend<T, 8>(q, k, v, lens, n_new, slots, scale, out);
-    case 16: return attend<T, 16>(q, k, v, lens, n_new, slots, scale, out);
-    default: TORCH_CHECK(false, "decode_attention: head_dim ", q.size(3), " is not supported");
+void dispatch_d(const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor& v, const int64_t* lens, const int64_t* n_new,
+                int64_t B, int64_t H, int64_t M, int64_t slots, int64_t nsplit, float scale, float* part) {
+  switch (k.size(3) / Vec::size()) {
+    case 1: return attend<T, 1>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, scale, part);
+    case 2: return attend<T, 2>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, scale, part);
+    case 4: return attend<T, 4>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, scale, part);
+    case 8: return attend<T, 8>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, scale, part);
+    case 16: return attend<T, 16>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, scale, part);
+    default: TORCH_CHECK(false, "decode_attention: head_dim ", k.size(3), " is not supported");
   }
 }
 
@@ -201,20 +334,35 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               " query rows for ", slots, " slots (at most ", kMaxRows, " rows)");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k and v rows must be contiguous");
   TORCH_CHECK(lens.scalar_type() == at::kLong && n_new.scalar_type() == at::kLong, "decode_attention: int64 lengths");
-  auto qc = q.to(at::kFloat).contiguous();
+  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), S = k.size(2);
+  const int64_t nsplit = std::max<int64_t>(1, (S + kSplit - 1) / kSplit);
+  auto qc = q.contiguous();
   auto out = at::empty(qc.sizes(), qc.options());
+  // The queries in float32 (the kernel's math) and the items' partial results in one host buffer.
+  std::vector<float> buf(qc.numel() + B * H * nsplit * M * (d + 2));
+  float* qf = buf.data();
+  float* part = qf + qc.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "decode_attention_q", [&] {
+    const scalar_t* src = qc.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < qc.numel(); ++i) qf[i] = static_cast<float>(src[i]);
+  });
+  // bfloat16 queries over a bfloat16 cache: the scores by AVX512-BF16 dot products (exact products).
+  const bool bf16_q = qc.scalar_type() == at::kBFloat16;
   auto lc = lens.contiguous();
   auto nc = n_new.contiguous();
   const int64_t* lp = lc.data_ptr<int64_t>();
   const int64_t* np = nc.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
   switch (k.scalar_type()) {
-    case at::kFloat: dispatch_d<float>(qc, k, v, lp, np, slots, sc, out); break;
-    case at::kBFloat16: dispatch_d<at::BFloat16>(qc, k, v, lp, np, slots, sc, out); break;
-    case at::kHalf: dispatch_d<at::Half>(qc, k, v, lp, np, slots, sc, out); break;
+    case at::kFloat: dispatch_d<float>(qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, sc, part); break;
+    case at::kBFloat16: dispatch_d<at::BFloat16>(qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, sc, part); break;
+    case at::kHalf: dispatch_d<at::Half>(qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, sc, part); break;
     default: TORCH_CHECK(false, "decode_attention: K/V dtype ", k.scalar_type(), " is not supported");
   }
-  return out.to(q.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "decode_attention_out", [&] {
+    combine<scalar_t>(part, B * H, M, d, nsplit, out.data_ptr<scalar_t>());
+  });
+  return out;
 }
 
 // Shapes only, for tracing (torch.compile's fake tensors).

@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -22,9 +23,10 @@ namespace {
 constexpr int64_t kRows = 8;  // rows per inner step: 8 independent accumulators and load streams
 
 #if defined(__AVX512BF16__)
-// Rows [n0, n1) of W [N, K] (row stride K) times x [K]; K's tail past a multiple of 32 read with masked loads
-// (zeros past the end).
-void rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1, float* y) {
+// Rows [n0, n1) of W [N, K] (row stride K) times x [K] into y in the output's dtype O (the row's: float32 sums
+// rounded once, as `.to()` rounds them); K's tail past a multiple of 32 read with masked loads (zeros past the end).
+template <typename O>
+void rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1, O* y) {
   const int64_t body = K / 32 * 32;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (K - body)) - 1);
   const __m512bh xt = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + body);
@@ -42,7 +44,7 @@ void rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n
     }
     for (int r = 0; r < kRows; ++r) {
       if (body < K) a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_maskz_loadu_epi16(tail, w + r * K + body), xt);
-      y[n + r] = _mm512_reduce_add_ps(a[r]);
+      y[n + r] = static_cast<O>(_mm512_reduce_add_ps(a[r]));
     }
   }
   for (; n < n1; ++n) {
@@ -51,7 +53,7 @@ void rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n
     for (int64_t k = 0; k < body; k += 32)
       a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
     if (body < K) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(tail, w + body), xt);
-    y[n] = _mm512_reduce_add_ps(a);
+    y[n] = static_cast<O>(_mm512_reduce_add_ps(a));
   }
 }
 #endif
@@ -65,14 +67,18 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.numel() == K, "gemv_bf16: x has ", x.numel(), " elements, the weight ", K, " columns");
   // The row in bfloat16: exact for a bfloat16 model (the products are exact in float32 either way).
   const auto xb = x.reshape({K}).to(at::kBFloat16).contiguous();
-  auto y = at::empty({N}, x.options().dtype(at::kFloat));
+  // Written in x's dtype by the kernel: a separate `.to()` was an allocation and a pass per call, ~0.7 ms of a
+  // SmolLM2 bf16 decode step's 211 calls.
+  auto y = at::empty({N}, x.options());
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + kRows - 1) / kRows, 8, [&](int64_t b, int64_t e) {
-    rows(w, xp, K, b * kRows, std::min(N, e * kRows), yp);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "gemv_bf16", [&] {
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, (N + kRows - 1) / kRows, 8, [&](int64_t b, int64_t e) {
+      rows<scalar_t>(w, xp, K, b * kRows, std::min(N, e * kRows), yp);
+    });
   });
-  return y.to(x.scalar_type());
+  return y;
 #else
   TORCH_CHECK(false, "gemv_bf16: built without AVX512-BF16 (this CPU or compiler lacks it)");
 #endif
@@ -82,8 +88,118 @@ at::Tensor gemv_bf16_meta(const at::Tensor& x, const at::Tensor& weight) {
   return at::empty({weight.size(0)}, x.options());
 }
 
+// The checks every entry point makes: weights contiguous bfloat16 [N, K] with x's K; x as a bfloat16 row.
+at::Tensor bf16_row(const at::Tensor& x, std::initializer_list<const at::Tensor*> weights, const char* op) {
+  const int64_t K = x.numel();
+  for (const at::Tensor* w : weights) {
+    TORCH_CHECK(w->dim() == 2 && w->scalar_type() == at::kBFloat16 && w->is_contiguous(), op,
+                ": weights must be contiguous bfloat16 [N, K] matrices, got ", w->scalar_type(), " ", w->sizes());
+    TORCH_CHECK(w->size(1) == K, op, ": x has ", K, " elements, a weight ", w->size(1), " columns");
+  }
+  return x.reshape({K}).to(at::kBFloat16).contiguous();
+}
+
+// One call for the three projections that read the same row (q, k and v): [N0 + N1 + N2] in x's dtype, the three
+// products concatenated, each row's value exactly what gemv_bf16 gives it. Why: each call of a decode step costs a
+// dispatch, an allocation and a fork/join of the threads (~2 us on this 2-vCPU machine, measured with a GEMV of
+// 64 KB): one region over all three matrices' row blocks instead of three.
+at::Tensor gemv_bf16_cat3(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& w1, const at::Tensor& w2) {
+#if defined(__AVX512BF16__)
+  const auto xb = bf16_row(x, {&w0, &w1, &w2}, "gemv_bf16_cat3");
+  const int64_t K = xb.numel();
+  const at::Tensor* ws[3] = {&w0, &w1, &w2};
+  int64_t first[4] = {0, 0, 0, 0};  // first row block of each matrix, then the total
+  int64_t offset[3] = {0, 0, 0};    // first output element of each matrix
+  for (int i = 0; i < 3; ++i) {
+    first[i + 1] = first[i] + (ws[i]->size(0) + kRows - 1) / kRows;
+    if (i < 2) offset[i + 1] = offset[i] + ws[i]->size(0);
+  }
+  auto y = at::empty({offset[2] + w2.size(0)}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "gemv_bf16_cat3", [&] {
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, first[3], 8, [&](int64_t b, int64_t e) {
+      for (int i = 0; i < 3; ++i) {  // this range's blocks of matrix i
+        const int64_t lo = std::max(b, first[i]), hi = std::min(e, first[i + 1]);
+        if (lo >= hi) continue;
+        const int64_t N = ws[i]->size(0);
+        const auto* w = reinterpret_cast<const uint16_t*>(ws[i]->data_ptr());
+        rows<scalar_t>(w, xp, K, (lo - first[i]) * kRows, std::min(N, (hi - first[i]) * kRows), yp + offset[i]);
+      }
+    });
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "gemv_bf16_cat3: built without AVX512-BF16 (this CPU or compiler lacks it)");
+#endif
+}
+
+at::Tensor gemv_bf16_cat3_meta(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& w1,
+                               const at::Tensor& w2) {
+  return at::empty({w0.size(0) + w1.size(0) + w2.size(0)}, x.options());
+}
+
+// SwiGLU's first half in one call: silu(x W_gate^T) * (x W_up^T), [N] in x's dtype. Each product is rounded to x's
+// dtype first, as the two separate GEMVs and the elementwise kernel after them round it; silu in float32 with
+// at::vec's exp. Saves two of a layer's calls and the elementwise kernel (see gemv_bf16_cat3).
+constexpr int64_t kGlu = 16;  // rows per step: one float vector of gate and of up values
+
+at::Tensor gemv_bf16_glu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up) {
+#if defined(__AVX512BF16__)
+  const auto xb = bf16_row(x, {&gate, &up}, "gemv_bf16_glu");
+  TORCH_CHECK(gate.size(0) == up.size(0), "gemv_bf16_glu: gate has ", gate.size(0), " rows, up ", up.size(0));
+  const int64_t N = gate.size(0), K = xb.numel();
+  auto y = at::empty({N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  const auto* wg = reinterpret_cast<const uint16_t*>(gate.data_ptr());
+  const auto* wu = reinterpret_cast<const uint16_t*>(up.data_ptr());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "gemv_bf16_glu", [&] {
+    using Vec = at::vec::Vectorized<float>;
+    static_assert(kGlu % Vec::size() == 0, "a step is whole float vectors");
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, (N + kGlu - 1) / kGlu, 4, [&](int64_t b, int64_t e) {
+      scalar_t g[kGlu], u[kGlu];
+      alignas(64) float gf[kGlu], uf[kGlu], h[kGlu];
+      for (int64_t blk = b; blk < e; ++blk) {
+        const int64_t n0 = blk * kGlu, n = std::min(kGlu, N - n0);
+        rows<scalar_t>(wg + n0 * K, xp, K, 0, n, g);  // this step's rows, from row n0
+        rows<scalar_t>(wu + n0 * K, xp, K, 0, n, u);
+        for (int64_t i = 0; i < kGlu; ++i) {
+          gf[i] = i < n ? static_cast<float>(g[i]) : 0.f;
+          uf[i] = i < n ? static_cast<float>(u[i]) : 0.f;
+        }
+        for (int64_t i = 0; i < kGlu; i += Vec::size()) {
+          const Vec gv = Vec::loadu(gf + i);
+          (gv / (Vec(1.f) + gv.neg().exp()) * Vec::loadu(uf + i)).store(h + i);
+        }
+        for (int64_t i = 0; i < n; ++i) yp[n0 + i] = static_cast<scalar_t>(h[i]);
+      }
+    });
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "gemv_bf16_glu: built without AVX512-BF16 (this CPU or compiler lacks it)");
+#endif
+}
+
+at::Tensor gemv_bf16_glu_meta(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up) {
+  return at::empty({gate.size(0)}, x.options());
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(static_decode_cpu, m) { m.def("gemv_bf16(Tensor x, Tensor weight) -> Tensor"); }
-TORCH_LIBRARY_IMPL(static_decode_cpu, CPU, m) { m.impl("gemv_bf16", &gemv_bf16); }
-TORCH_LIBRARY_IMPL(static_decode_cpu, Meta, m) { m.impl("gemv_bf16", &gemv_bf16_meta); }
+TORCH_LIBRARY_FRAGMENT(static_decode_cpu, m) {
+  m.def("gemv_bf16(Tensor x, Tensor weight) -> Tensor");
+  m.def("gemv_bf16_cat3(Tensor x, Tensor w0, Tensor w1, Tensor w2) -> Tensor");
+  m.def("gemv_bf16_glu(Tensor x, Tensor gate, Tensor up) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(static_decode_cpu, CPU, m) {
+  m.impl("gemv_bf16", &gemv_bf16);
+  m.impl("gemv_bf16_cat3", &gemv_bf16_cat3);
+  m.impl("gemv_bf16_glu", &gemv_bf16_glu);
+}
+TORCH_LIBRARY_IMPL(static_decode_cpu, Meta, m) {
+  m.impl("gemv_bf16", &gemv_bf16_meta);
+  m.impl("gemv_bf16_cat3", &gemv_bf16_cat3_meta);
+  m.impl("gemv_bf16_glu", &gemv_bf16_glu_meta);
+}
