@@ -14,7 +14,10 @@ dtype, with one row. Prefill chunks and verify steps (several rows) keep the GEM
 Faster still for bfloat16 weights on a CPU with AVX512-BF16: our own kernel (static_decode.cpu_kernel.gemv_bf16:
 the dot-product instruction, 8 rows per step with the next 8 prefetched) reads SmolLM2's shapes at 25-27 GB/s, the
 memory's rate (a plain sum: ~26), against 12-16 for the streamed form and 10-19 for torch.mv; it takes precedence
-there, eager and compiled (profiles/RESULTS.md, "bf16 GEMV kernel").
+there, eager and compiled (profiles/RESULTS.md, "bf16 GEMV kernel"). `qkv` and `glu` take a layer's products that
+read the same row in one kernel call each (q/k/v; gate/up with the silu): each call of a decode step costs a
+dispatch and a fork/join of the threads, ~2 us here, and a SmolLM2 step made 211 of them (profiles/RESULTS.md,
+"Fourth session of 2026-12-01").
 """
 
 from __future__ import annotations
