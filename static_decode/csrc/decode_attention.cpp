@@ -8,6 +8,9 @@
 // (rule 2: no KV repeat), scores of a block of keys stay in L1, the softmax is online (running max and sum per row), and the key axis is
 // split into independent work items (flash-decoding) so a batch-1 step of a model with 3 KV heads still feeds
 // every thread. Partial results are combined by their running maxima and sums.
+// On AVX-512 the scores of 16 keys are reduced together (sum16), bfloat16 queries over a bfloat16 cache are scored
+// by AVX512-BF16 dot products straight from the cache's rows, and V's rows are widened in registers and accumulated
+// for a group of query rows at once (profiles/RESULTS.md, "Fourth session of 2026-12-01").
 //
 // Masking (rule 3): row m = g*T + t is slot t of its row; it sees keys 0..lens[b] - n_new[b] + t, a prefix, and none
 // when t >= n_new[b] (a padded slot returns exact zeros). Keys past the longest visible prefix are never read.
@@ -108,26 +111,37 @@ inline __m512 sum16(const __m512* a) {
                        _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// The 16 dot products of one query row with keys kb[0..cnt) (row stride d), reduced together; cnt == 16 unless
+// kTail (the block's last, partial group: rows past cnt are never read).
+template <bool kTail, int NX>
+inline __m512 dots16(const __m512* qm, const float* kb, int64_t cnt) {
+  constexpr int64_t d = NX * 16;
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) {
+    a[j] = _mm512_setzero_ps();
+    if (kTail && j >= cnt) continue;
+    for (int x = 0; x < NX; ++x) a[j] = _mm512_fmadd_ps(qm[x], _mm512_loadu_ps(kb + j * d + x * 16), a[j]);
+  }
+  return sum16(a);
+}
+
 // scores() for AVX-512: 16 keys at a time, their 16 dot products reduced together by sum16.
 template <int NX>
 inline void scores16(const float* q, int64_t M, const float* kb, int64_t n, int64_t j0, const int64_t* limit,
                      float scale, float* s) {
   constexpr int64_t d = NX * 16;
+  const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t m = 0; m < M; ++m) {
     __m512 qm[NX];
     for (int x = 0; x < NX; ++x) qm[x] = _mm512_loadu_ps(q + m * d + x * 16);
     const int64_t visible = std::clamp<int64_t>(limit[m] - j0, 0, n);
-    for (int64_t jb = 0; jb < visible; jb += 16) {
-      const int64_t cnt = std::min<int64_t>(16, visible - jb);
-      __m512 a[16];
-      for (int j = 0; j < 16; ++j) {
-        a[j] = _mm512_setzero_ps();
-        if (j >= cnt) continue;  // rows past the visible ones are never read
-        const float* kr = kb + (jb + j) * d;
-        for (int x = 0; x < NX; ++x) a[j] = _mm512_fmadd_ps(qm[x], _mm512_loadu_ps(kr + x * 16), a[j]);
-      }
+    int64_t jb = 0;
+    for (; jb + 16 <= visible; jb += 16)
+      _mm512_storeu_ps(s + m * kBlock + jb, _mm512_mul_ps(dots16<false, NX>(qm, kb + jb * d, 16), sc));
+    if (jb < visible) {
+      const int64_t cnt = visible - jb;
       _mm512_mask_storeu_ps(s + m * kBlock + jb, static_cast<__mmask16>((1u << cnt) - 1),
-                            _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale)));
+                            _mm512_mul_ps(dots16<true, NX>(qm, kb + jb * d, cnt), sc));
     }
     std::fill(s + m * kBlock + visible, s + m * kBlock + n, kNegInf);
   }
@@ -138,29 +152,83 @@ inline void scores16(const float* q, int64_t M, const float* kb, int64_t n, int6
 // scores16 for bfloat16 queries over a bfloat16 cache: AVX512-BF16's dot product takes 32 query x key products a
 // step straight from the cache's rows (no widening to float32, no scratch copy). The products are exact in float32;
 // only the order of the float32 sums differs from the float32 path.
+template <bool kTail, int NX>
+inline __m512 dots16_bf16(const __m512bh* qm, const at::BFloat16* k, int64_t ks, int64_t cnt) {
+  constexpr int NB = NX / 2;
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) {
+    a[j] = _mm512_setzero_ps();
+    if (kTail && j >= cnt) continue;
+    for (int x = 0; x < NB; ++x)
+      a[j] = _mm512_dpbf16_ps(a[j], qm[x], (__m512bh)_mm512_loadu_si512(k + j * ks + x * 32));
+  }
+  return sum16(a);
+}
+
 template <int NX>
 inline void scores16_bf16(const float* q, int64_t M, const at::BFloat16* k, int64_t ks, int64_t n, int64_t j0,
                           const int64_t* limit, float scale, float* s) {
   constexpr int NB = NX / 2;  // 32 bfloat16 values a vector
   constexpr int64_t d = NX * 16;
+  const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t m = 0; m < M; ++m) {
     __m512bh qm[NB];  // the query row back in bfloat16: exact, it was bfloat16 before the float32 copy
     for (int x = 0; x < NB; ++x)
       qm[x] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + m * d + x * 32 + 16), _mm512_loadu_ps(q + m * d + x * 32));
     const int64_t visible = std::clamp<int64_t>(limit[m] - j0, 0, n);
-    for (int64_t jb = 0; jb < visible; jb += 16) {
-      const int64_t cnt = std::min<int64_t>(16, visible - jb);
-      __m512 a[16];
-      for (int j = 0; j < 16; ++j) {
-        a[j] = _mm512_setzero_ps();
-        if (j >= cnt) continue;
-        const at::BFloat16* kr = k + (j0 + jb + j) * ks;
-        for (int x = 0; x < NB; ++x) a[j] = _mm512_dpbf16_ps(a[j], qm[x], (__m512bh)_mm512_loadu_si512(kr + x * 32));
-      }
+    int64_t jb = 0;
+    for (; jb + 16 <= visible; jb += 16)
+      _mm512_storeu_ps(s + m * kBlock + jb, _mm512_mul_ps(dots16_bf16<false, NX>(qm, k + (j0 + jb) * ks, ks, 16), sc));
+    if (jb < visible) {
+      const int64_t cnt = visible - jb;
       _mm512_mask_storeu_ps(s + m * kBlock + jb, static_cast<__mmask16>((1u << cnt) - 1),
-                            _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale)));
+                            _mm512_mul_ps(dots16_bf16<true, NX>(qm, k + (j0 + jb) * ks, ks, cnt), sc));
     }
     std::fill(s + m * kBlock + visible, s + m * kBlock + n, kNegInf);
+  }
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+// 16 values of a cache row as float32, widened in registers (bfloat16: the high half of a float; float16: F16C).
+template <typename T>
+inline Vec row16(const T* p);
+template <>
+inline Vec row16<float>(const float* p) { return Vec(_mm512_loadu_ps(p)); }
+template <>
+inline Vec row16<at::BFloat16>(const at::BFloat16* p) {
+  return Vec(_mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16)));
+}
+template <>
+inline Vec row16<at::Half>(const at::Half* p) {
+  return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+
+// accumulate_rows reading the value rows from the cache itself (row stride vs), each widened once in registers for
+// the whole group: the scratch copy it replaces (stores, then loads) was a fifth of the kernel's time with a
+// bfloat16 cache. Same products and sums in the same order, so the same results.
+template <typename T, int NX, int R>
+inline void accumulate_rows_direct(const int64_t* rows, int64_t r, float* acc, const float* alpha, const float* s,
+                                   const T* v, int64_t vs, int64_t n) {
+  constexpr int64_t d = NX * Vec::size();
+  Vec a[R][NX];
+  for (int i = 0; i < R; ++i) {
+    if (i >= r) break;
+    for (int x = 0; x < NX; ++x) a[i][x] = Vec::loadu(acc + rows[i] * d + x * Vec::size()) * Vec(alpha[rows[i]]);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    Vec vr[NX];
+    for (int x = 0; x < NX; ++x) vr[x] = row16<T>(v + j * vs + x * Vec::size());
+    for (int i = 0; i < R; ++i) {
+      if (i >= r) break;
+      const Vec p(s[rows[i] * kBlock + j]);
+      for (int x = 0; x < NX; ++x) a[i][x] = at::vec::fmadd(p, vr[x], a[i][x]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    if (i >= r) break;
+    for (int x = 0; x < NX; ++x) a[i][x].store(acc + rows[i] * d + x * Vec::size());
   }
 }
 #endif
@@ -198,7 +266,7 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
                 int64_t s1, const int64_t* limit, float scale, float* acc, float* mx, float* l) {
   constexpr int64_t d = NX * Vec::size();
   alignas(64) float kbuf[kBlock * d];
-  alignas(64) float vbuf[kBlock * d];
+  [[maybe_unused]] alignas(64) float vbuf[kBlock * d];  // the value rows widened, where not in registers
   alignas(64) float s[kMaxRows * kBlock];
   std::fill(acc, acc + M * d, 0.f);
   std::fill(mx, mx + M, kNegInf);
@@ -225,7 +293,6 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
       scores<NX>(q, M, float_rows<T>(k + j0 * ks, ks, n, d, kbuf), n, j0, limit, scale, s);
 #endif
     }
-    const float* vb = float_rows<T>(v + j0 * vs, vs, n, d, vbuf);
     int64_t na = 0;  // rows with a visible key in this block
     for (int64_t m = 0; m < M; ++m) {
       float* sm = s + m * kBlock;
@@ -246,8 +313,14 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
       mx[m] = new_max;
       active[na++] = m;
     }
+#if defined(CPU_CAPABILITY_AVX512)
+    for (int64_t g = 0; g < na; g += R)
+      accumulate_rows_direct<T, NX, R>(active + g, std::min<int64_t>(R, na - g), acc, alpha, s, v + j0 * vs, vs, n);
+#else
+    const float* vb = float_rows<T>(v + j0 * vs, vs, n, d, vbuf);
     for (int64_t g = 0; g < na; g += R)
       accumulate_rows<NX, R>(active + g, std::min<int64_t>(R, na - g), acc, alpha, s, vb, n);
+#endif
   }
 }
 
