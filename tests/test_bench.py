@@ -16,6 +16,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from capture import CompileSettings
 from static_decode.commands import bench, bench_config, bench_report, bench_run, bench_systems, cli
@@ -170,6 +171,9 @@ def test_bench_run_json_plot_and_profile(checkpoint, tmp_path, capsys):
     for r in doc["attention"]:
         assert set(r) >= {"length", "ms", "gbps", "bandwidth_fraction"} and r["ms"] > 0
     assert "transformers_over_static_decode" in doc["targets"]
+    bw = doc["bandwidth"]
+    assert bw["read_gbps_before"] > 0 and bw["read_gbps_after"] > 0
+    assert [(b["system"], b["context"]) for b in doc["bound"]] == [(r["system"], r["context"]) for r in doc["rows"]]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "traceEvents" in json.loads(trace.read_text())
     printed = capsys.readouterr().out
@@ -307,3 +311,24 @@ def test_long_context_target_from_the_bytes_ratio():
     # a bfloat16 cache for the float32 model (--kv-dtype): the live K/V count at 2 bytes
     assert bench_report.bytes_per_token({**model, "kv_dtype": "bfloat16"}, 25) == 4000 + 25 * 80
 
+
+
+def test_bound_is_the_bytes_floor_over_each_row():
+    # 1,000 float32 parameters = 4,000 B; one token's K/V = 160 B (see above). Read bandwidth: mean of 3 and 5.
+    model = {"parameters": 1000, "dtype": "float32", "layers": 2, "kv_heads": 1, "head_dim": 10}
+    rows = [
+        {"system": "static-decode", "context": 25, "ms_per_token": 0.002},  # 8,000 B in 2 us = 4 GB/s
+        {"system": "transformers", "context": 25, "ms_per_token": 0.008},  # 1 GB/s
+    ]
+    doc = {"rows": rows, "model": model, "bandwidth": {"read_gbps_before": 3.0, "read_gbps_after": 5.0}}
+    assert bench_report.bound(doc) == [
+        {"system": "static-decode", "context": 25, "bytes_per_token": 8000, "gbps": 4.0, "read_fraction": 1.0},
+        {"system": "transformers", "context": 25, "bytes_per_token": 8000, "gbps": 1.0, "read_fraction": 0.25},
+    ]
+    assert bench_report.bound({"rows": rows, "model": model}) == []  # no probe: no bound rows
+
+
+def test_read_bandwidth_is_bytes_over_the_best_sum():
+    ticks = iter([0.0, 0.5, 1.0, 1.25, 2.0, 3.0])  # sums of 0.5, 0.25 and 1.0 s: the best is 0.25
+    gbps = bench_run.read_bandwidth(torch.device("cpu"), nbytes=4 * 1000, repeats=3, clock=lambda: next(ticks))
+    assert gbps == pytest.approx(4000 / 0.25 / 1e9)

@@ -8,6 +8,10 @@ The JSON document (`--json PATH`):
     systems   [{system, setup_s, mode | skipped}]
     rows      [{system, context, max_len, ms_per_token, prefill_ms, ms_per_token_best, prefill_ms_best,
                 decode_steps, repeats, tokens_match, first_mismatch, ms_per_token_samples, read_len?}]
+    bandwidth {read_gbps_before, read_gbps_after, probe}: a plain sum's read rate around the sweep
+    bound     [{system, context, bytes_per_token, gbps, read_fraction}]: each row's bytes floor (every weight and
+              the live K/V once) over its ms/token, and as a fraction of the mean read bandwidth: near 1, the
+              step is memory-bound; well below, overhead or compute
     attention [{impl, length, ms, median_ms, gbps, bandwidth_fraction, read_bandwidth_gbps, ...}]
     targets   the ratios the targets are stated in, each with "met"
     notes     skipped systems, token mismatches, the profile trace
@@ -37,6 +41,22 @@ def bytes_per_token(model: dict[str, Any], context: int) -> int:
     kv_size = DTYPE_BYTES[model.get("kv_dtype", model["dtype"])]
     kv = 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * kv_size  # K and V of one token, all layers
     return model["parameters"] * size + context * kv
+
+
+def bound(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each decode row's rate against the bytes floor: bytes_per_token / ms_per_token in GB/s, and that over the
+    mean of the read bandwidth measured before and after the sweep (absent without model facts or a probe)."""
+    model, bw = doc.get("model", {}), doc.get("bandwidth")
+    if not bw or not {"parameters", "dtype", "layers", "kv_heads", "head_dim"} <= set(model):
+        return []
+    read = (bw["read_gbps_before"] + bw["read_gbps_after"]) / 2
+    out = []
+    for r in doc["rows"]:
+        nbytes = bytes_per_token(model, r["context"])
+        gbps = nbytes / (r["ms_per_token"] * 1e-3) / 1e9
+        out.append({"system": r["system"], "context": r["context"], "bytes_per_token": nbytes,
+                    "gbps": round(gbps, 2), "read_fraction": round(gbps / read, 2)})
+    return out
 
 
 def _ms(doc: dict[str, Any], system: str, context: int) -> float | None:
@@ -129,6 +149,18 @@ def tables(doc: dict[str, Any]) -> list[Any]:
     for e in doc["systems"]:
         s.add_row(e["system"], f"{e['setup_s']:.1f}", e.get("mode") or e.get("skipped", ""))
     out.append(s)
+    if doc.get("bound"):
+        bw = doc["bandwidth"]
+        g = Table(title=f"bytes floor (weights + live K/V) per ms/token, GB/s (fraction of the read bandwidth, "
+                        f"{bw['read_gbps_before']} / {bw['read_gbps_after']} GB/s before / after)")
+        g.add_column("context", justify="right")
+        for n in names:
+            g.add_column(n, justify="right")
+        for c in b["contexts"]:
+            row = {x["system"]: x for x in doc["bound"] if x["context"] == c}
+            g.add_row(str(c), *(f"{row[n]['gbps']:.1f} ({row[n]['read_fraction']:.2f})" if n in row else ""
+                                for n in names))
+        out.append(g)
     if doc.get("attention"):
         a = Table(title="decode attention alone, Llama-3.1-8B heads (Hq 32, Hkv 8, d 128), vs read bandwidth "
                         f"{doc['attention'][0]['read_bandwidth_gbps']} GB/s")

@@ -41,7 +41,7 @@ from static_decode import ranges
 from static_decode.attention import IMPLS
 from static_decode.commands.args import check_device
 from static_decode.commands.bench_config import PROFILE_STEPS, BenchConfig
-from static_decode.commands.bench_report import targets
+from static_decode.commands.bench_report import bound, targets
 from static_decode.commands.bench_systems import TP_SYSTEMS, System, build, load_profiles_module
 from static_decode.loading import default_model_path, load_model, load_tokenizer
 from static_decode.progress import progress_bar
@@ -169,6 +169,29 @@ def machine(threads: int, device: torch.device) -> dict[str, Any]:
     return info
 
 
+READ_BYTES = 1 << 30  # what the read-bandwidth probe sums: far past any cache, as a decode step's weights are
+
+
+def read_bandwidth(
+    device: torch.device, nbytes: int = READ_BYTES, repeats: int = 5, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """GB/s (1e9 B/s) of the best of `repeats` float32 sums over `nbytes`: the rate a memory-bound decode step can
+    approach on this machine now (its speed drifts, so the bench measures it before and after the sweep)."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    x.sum()  # untimed: the first pass faults the pages in
+
+    def timed() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = clock()
+        x.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return clock() - t0
+
+    return x.nbytes / min(timed() for _ in range(repeats)) / 1e9
+
+
 def run(config: BenchConfig) -> dict[str, Any]:
     """Run the bench; return the JSON document (see static_decode.commands.bench_report for what it holds)."""
     tp = config.tp
@@ -222,6 +245,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
             else:
                 systems.append(system)
         gate = IdleGate(config.wait_idle)
+        before = read_bandwidth(device)
         for L in config.contexts:
             timings = time_interleaved(
                 systems, prompt[:L], config.steps, repeats=config.repeats, warmup=config.warmup,
@@ -235,6 +259,8 @@ def run(config: BenchConfig) -> dict[str, Any]:
             doc["notes"].append(f"torch.profiler trace of {PROFILE_STEPS} {systems[0].name} decode steps at "
                                 f"context {config.contexts[0]}: {config.profile}")
         doc["rows"] = rows
+        doc["bandwidth"] = {"read_gbps_before": round(before, 2), "read_gbps_after": round(read_bandwidth(device), 2),
+                            "probe": f"best of 5 float32 sums over {READ_BYTES >> 20} MiB"}
         doc["attention"] = _attention(config, device, doc["notes"])
         advance("done", 1 if config.attention_lengths is not None else 0)
     doc["machine"]["load_avg_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
@@ -244,6 +270,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
         if r["tokens_match"] is False:
             doc["notes"].append(f"{r['system']} at context {r['context']}: greedy tokens differ from static-decode "
                                 f"from new token {r['first_mismatch']} on")
+    doc["bound"] = bound(doc)
     doc["targets"] = targets(doc)
     return doc
 
