@@ -34,6 +34,7 @@ import torch
 from static_decode.attention import DEFAULT_IMPL, IMPLS, grouped_attention
 from static_decode.cache import StaticKVCache
 from static_decode.commands.bench_run import IdleGate
+from static_decode.commands.bench_run import read_bandwidth as _read_bandwidth
 
 HQ, HKV, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -111,11 +112,9 @@ def _timings(
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, device: str | torch.device = "cpu") -> float:
-    """Read bandwidth in GB/s (1e9 B/s): the best of `repeats` float32 sums over an nbytes tensor."""
-    device = torch.device(device)
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    best = min(_timings(lambda: x.sum(), repeats, flush=None, device=device))
-    return x.nbytes / best / 1e9
+    """Read bandwidth in GB/s (1e9 B/s): the best of `repeats` float32 sums over an nbytes tensor (the bench's own
+    probe, `static-decode bench`'s "bandwidth")."""
+    return _read_bandwidth(torch.device(device), nbytes, repeats)
 
 
 def live_kv_bytes(read_len: int, dtype: torch.dtype, kv_heads: int = HKV, head_dim: int = HEAD_DIM) -> int:

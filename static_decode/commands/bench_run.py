@@ -259,9 +259,10 @@ def run(config: BenchConfig) -> dict[str, Any]:
             doc["notes"].append(f"torch.profiler trace of {PROFILE_STEPS} {systems[0].name} decode steps at "
                                 f"context {config.contexts[0]}: {config.profile}")
         doc["rows"] = rows
-        doc["bandwidth"] = {"read_gbps_before": round(before, 2), "read_gbps_after": round(read_bandwidth(device), 2),
+        after = read_bandwidth(device)
+        doc["bandwidth"] = {"read_gbps_before": round(before, 2), "read_gbps_after": round(after, 2),
                             "probe": f"best of 5 float32 sums over {READ_BYTES >> 20} MiB"}
-        doc["attention"] = _attention(config, device, doc["notes"])
+        doc["attention"] = _attention(config, device, doc["notes"], after)
         advance("done", 1 if config.attention_lengths is not None else 0)
     doc["machine"]["load_avg_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     if config.wait_idle > 0:
@@ -304,8 +305,11 @@ def _profile(system: System, prompt: list[int], path: Path) -> None:
     prof.export_chrome_trace(str(path))
 
 
-def _attention(config: BenchConfig, device: torch.device, notes: list[str]) -> list[dict[str, Any]]:
-    """Decode attention alone at Llama-3.1-8B head shape vs read bandwidth (profiles/attention_bench.py)."""
+def _attention(
+    config: BenchConfig, device: torch.device, notes: list[str], bandwidth: float
+) -> list[dict[str, Any]]:
+    """Decode attention alone at Llama-3.1-8B head shape vs `bandwidth`, the read bandwidth the sweep's last probe
+    measured (profiles/attention_bench.py)."""
     if config.attention_lengths is None:
         return []
     if config.tp.enabled:
@@ -321,7 +325,6 @@ def _attention(config: BenchConfig, device: torch.device, notes: list[str]) -> l
     for m in (config.max_len, max(config.attention_lengths)):
         lengths |= {m, BucketLadder.default(m).bucket_for(max(1, m // 16))}
     with ranges.range(ranges.bench_name("attention")):
-        bandwidth = bench.read_bandwidth(device=device)
         # Every formulation that runs as a kernel here: the eager ones everywhere, flex compiled on CUDA only.
         eager = tuple(i for i in IMPLS if i != "flex")
         rows = bench.attention_rows(tuple(sorted(lengths)), eager, device=device, bandwidth_gbps=bandwidth)

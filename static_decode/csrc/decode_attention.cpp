@@ -21,6 +21,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -111,40 +112,54 @@ inline __m512 sum16(const __m512* a) {
                        _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// The 16 dot products of one query row with keys kb[0..cnt) (row stride d), reduced together; cnt == 16 unless
-// kTail (the block's last, partial group: rows past cnt are never read).
-template <bool kTail, int NX>
-inline __m512 dots16(const __m512* qm, const float* kb, int64_t cnt) {
-  constexpr int64_t d = NX * 16;
+// The 16 dot products of one query row with 16 keys, reduced together: dot(j) is key j's vector of partial sums.
+// cnt == 16 unless kTail (the block's last, partial group: keys past cnt are never read).
+template <bool kTail, typename Dot>
+inline __m512 dots16(int64_t cnt, Dot dot) {
   __m512 a[16];
-  for (int j = 0; j < 16; ++j) {
-    a[j] = _mm512_setzero_ps();
-    if (kTail && j >= cnt) continue;
-    for (int x = 0; x < NX; ++x) a[j] = _mm512_fmadd_ps(qm[x], _mm512_loadu_ps(kb + j * d + x * 16), a[j]);
-  }
+  for (int j = 0; j < 16; ++j) a[j] = kTail && j >= cnt ? _mm512_setzero_ps() : dot(j);
   return sum16(a);
 }
 
-// scores() for AVX-512: 16 keys at a time, their 16 dot products reduced together by sum16.
+// The loop both score paths share: for each query row, its visible keys in 16-key groups (full groups without
+// per-key checks, then the partial one with a masked store), -inf for the block's keys it does not see.
+// dots_for(m) gives row m's `dots(jb, cnt, tail)`: the 16 scores from key jb, tail a std::bool_constant.
+template <typename DotsFor>
+inline void score_groups(int64_t M, int64_t n, int64_t j0, const int64_t* limit, float scale, float* s,
+                         DotsFor dots_for) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t m = 0; m < M; ++m) {
+    const auto dots = dots_for(m);
+    const int64_t visible = std::clamp<int64_t>(limit[m] - j0, 0, n);
+    int64_t jb = 0;
+    for (; jb + 16 <= visible; jb += 16)
+      _mm512_storeu_ps(s + m * kBlock + jb, _mm512_mul_ps(dots(jb, 16, std::false_type{}), sc));
+    if (jb < visible) {
+      const int64_t cnt = visible - jb;
+      _mm512_mask_storeu_ps(s + m * kBlock + jb, static_cast<__mmask16>((1u << cnt) - 1),
+                            _mm512_mul_ps(dots(jb, cnt, std::true_type{}), sc));
+    }
+    std::fill(s + m * kBlock + visible, s + m * kBlock + n, kNegInf);
+  }
+}
+
+// scores() for AVX-512: float32 queries and key rows (the cache's, or widened into scratch), FMAs per 16 columns.
 template <int NX>
 inline void scores16(const float* q, int64_t M, const float* kb, int64_t n, int64_t j0, const int64_t* limit,
                      float scale, float* s) {
   constexpr int64_t d = NX * 16;
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t m = 0; m < M; ++m) {
-    __m512 qm[NX];
+  score_groups(M, n, j0, limit, scale, s, [&](int64_t m) {
+    std::array<__m512, NX> qm;
     for (int x = 0; x < NX; ++x) qm[x] = _mm512_loadu_ps(q + m * d + x * 16);
-    const int64_t visible = std::clamp<int64_t>(limit[m] - j0, 0, n);
-    int64_t jb = 0;
-    for (; jb + 16 <= visible; jb += 16)
-      _mm512_storeu_ps(s + m * kBlock + jb, _mm512_mul_ps(dots16<false, NX>(qm, kb + jb * d, 16), sc));
-    if (jb < visible) {
-      const int64_t cnt = visible - jb;
-      _mm512_mask_storeu_ps(s + m * kBlock + jb, static_cast<__mmask16>((1u << cnt) - 1),
-                            _mm512_mul_ps(dots16<true, NX>(qm, kb + jb * d, cnt), sc));
-    }
-    std::fill(s + m * kBlock + visible, s + m * kBlock + n, kNegInf);
-  }
+    return [=](int64_t jb, int64_t cnt, auto tail) {
+      return dots16<decltype(tail)::value>(cnt, [&](int j) {
+        const float* kr = kb + (jb + j) * d;
+        __m512 a = _mm512_setzero_ps();
+        for (int x = 0; x < NX; ++x) a = _mm512_fmadd_ps(qm[x], _mm512_loadu_ps(kr + x * 16), a);
+        return a;
+      });
+    };
+  });
 }
 #endif
 
@@ -152,40 +167,25 @@ inline void scores16(const float* q, int64_t M, const float* kb, int64_t n, int6
 // scores16 for bfloat16 queries over a bfloat16 cache: AVX512-BF16's dot product takes 32 query x key products a
 // step straight from the cache's rows (no widening to float32, no scratch copy). The products are exact in float32;
 // only the order of the float32 sums differs from the float32 path.
-template <bool kTail, int NX>
-inline __m512 dots16_bf16(const __m512bh* qm, const at::BFloat16* k, int64_t ks, int64_t cnt) {
-  constexpr int NB = NX / 2;
-  __m512 a[16];
-  for (int j = 0; j < 16; ++j) {
-    a[j] = _mm512_setzero_ps();
-    if (kTail && j >= cnt) continue;
-    for (int x = 0; x < NB; ++x)
-      a[j] = _mm512_dpbf16_ps(a[j], qm[x], (__m512bh)_mm512_loadu_si512(k + j * ks + x * 32));
-  }
-  return sum16(a);
-}
-
 template <int NX>
 inline void scores16_bf16(const float* q, int64_t M, const at::BFloat16* k, int64_t ks, int64_t n, int64_t j0,
                           const int64_t* limit, float scale, float* s) {
   constexpr int NB = NX / 2;  // 32 bfloat16 values a vector
   constexpr int64_t d = NX * 16;
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t m = 0; m < M; ++m) {
-    __m512bh qm[NB];  // the query row back in bfloat16: exact, it was bfloat16 before the float32 copy
+  score_groups(M, n, j0, limit, scale, s, [&](int64_t m) {
+    std::array<__m512bh, NB> qm;  // the query row back in bfloat16: exact, it was bfloat16 before the float32 copy
     for (int x = 0; x < NB; ++x)
       qm[x] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + m * d + x * 32 + 16), _mm512_loadu_ps(q + m * d + x * 32));
-    const int64_t visible = std::clamp<int64_t>(limit[m] - j0, 0, n);
-    int64_t jb = 0;
-    for (; jb + 16 <= visible; jb += 16)
-      _mm512_storeu_ps(s + m * kBlock + jb, _mm512_mul_ps(dots16_bf16<false, NX>(qm, k + (j0 + jb) * ks, ks, 16), sc));
-    if (jb < visible) {
-      const int64_t cnt = visible - jb;
-      _mm512_mask_storeu_ps(s + m * kBlock + jb, static_cast<__mmask16>((1u << cnt) - 1),
-                            _mm512_mul_ps(dots16_bf16<true, NX>(qm, k + (j0 + jb) * ks, ks, cnt), sc));
-    }
-    std::fill(s + m * kBlock + visible, s + m * kBlock + n, kNegInf);
-  }
+    const at::BFloat16* kj = k + j0 * ks;
+    return [=](int64_t jb, int64_t cnt, auto tail) {
+      return dots16<decltype(tail)::value>(cnt, [&](int j) {
+        __m512 a = _mm512_setzero_ps();
+        for (int x = 0; x < NB; ++x)
+          a = _mm512_dpbf16_ps(a, qm[x], (__m512bh)_mm512_loadu_si512(kj + (jb + j) * ks + x * 32));
+        return a;
+      });
+    };
+  });
 }
 #endif
 
@@ -265,8 +265,7 @@ template <typename T, int NX>
 void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, const T* v, int64_t vs, int64_t s0,
                 int64_t s1, const int64_t* limit, float scale, float* acc, float* mx, float* l) {
   constexpr int64_t d = NX * Vec::size();
-  alignas(64) float kbuf[kBlock * d];
-  [[maybe_unused]] alignas(64) float vbuf[kBlock * d];  // the value rows widened, where not in registers
+  alignas(64) float kbuf[kBlock * d];  // the key rows widened to float32 where they are scored by FMAs
   alignas(64) float s[kMaxRows * kBlock];
   std::fill(acc, acc + M * d, 0.f);
   std::fill(mx, mx + M, kNegInf);
@@ -277,20 +276,21 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
   for (int64_t j0 = s0; j0 < s1; j0 += kBlock) {
     const int64_t n = std::min(kBlock, s1 - j0);
     const int64_t nv = (n + Vec::size() - 1) / Vec::size() * Vec::size();
+    bool scored = false;  // by AVX512-BF16 dot products straight from the cache, where they apply
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, at::BFloat16> && NX % 2 == 0) {
       if (bf16_q) {
         scores16_bf16<NX>(q, M, k, ks, n, j0, limit, scale, s);
-      } else {
-        scores16<NX>(q, M, float_rows<T>(k + j0 * ks, ks, n, d, kbuf), n, j0, limit, scale, s);
+        scored = true;
       }
-    } else
+    }
 #endif
-    {
+    if (!scored) {
+      const float* kb = float_rows<T>(k + j0 * ks, ks, n, d, kbuf);
 #if defined(CPU_CAPABILITY_AVX512)
-      scores16<NX>(q, M, float_rows<T>(k + j0 * ks, ks, n, d, kbuf), n, j0, limit, scale, s);
+      scores16<NX>(q, M, kb, n, j0, limit, scale, s);
 #else
-      scores<NX>(q, M, float_rows<T>(k + j0 * ks, ks, n, d, kbuf), n, j0, limit, scale, s);
+      scores<NX>(q, M, kb, n, j0, limit, scale, s);
 #endif
     }
     int64_t na = 0;  // rows with a visible key in this block
@@ -317,6 +317,7 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
     for (int64_t g = 0; g < na; g += R)
       accumulate_rows_direct<T, NX, R>(active + g, std::min<int64_t>(R, na - g), acc, alpha, s, v + j0 * vs, vs, n);
 #else
+    alignas(64) float vbuf[kBlock * d];  // without AVX-512 the value rows are widened into scratch
     const float* vb = float_rows<T>(v + j0 * vs, vs, n, d, vbuf);
     for (int64_t g = 0; g < na; g += R)
       accumulate_rows<NX, R>(active + g, std::min<int64_t>(R, na - g), acc, alpha, s, vb, n);
