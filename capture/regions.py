@@ -76,7 +76,19 @@ def _region(
     return run_blocks(blocks, x, cos, sin, LayerSpan(k, v, lens, max_len), n_new, lens_after, read_len, impl, mask)
 
 
-@torch.library.custom_op("static_decode::layer_region", mutates_args=("k", "v"))
+# The op is defined with torch.library's low-level API, not `torch.library.custom_op`: custom_op's Python wrappers
+# (argument defaults, an autograd function, version-counter bumps, output alias checks) cost ~150 us per call on
+# the 2-vCPU machine (161 against 14 us for the same body, profiles/RESULTS.md "Framework cost per step"), and a
+# decode step calls the op once per span. Nothing here needs them: steps run without autograd, and the fake below
+# is what tracing needs. The schema declares the mutation of K and V (`(a!)`, `(b!)`), which is what inductor
+# functionalises and then reinplaces on the cache buffers.
+_LIB = torch.library.Library("static_decode", "FRAGMENT")
+_LIB.define(
+    "layer_region(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor lens, Tensor n_new, "
+    "Tensor lens_after, SymInt read_len, int start, int stop, bool fresh, int handle) -> Tensor"
+)
+
+
 def layer_region(
     x: Tensor,
     cos: Tensor,
@@ -100,7 +112,10 @@ def layer_region(
     return regions.run(x, cos, sin, k, v, lens, n_new, lens_after, read_len, start, stop, fresh)
 
 
-@layer_region.register_fake
+_LIB.impl("layer_region", layer_region, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("static_decode::layer_region", lib=_LIB)
 def _(
     x: Tensor,
     cos: Tensor,
