@@ -67,6 +67,21 @@ def test_float32_random_chunks_match_float64_reference() -> None:
     assert calls > 750
 
 
+@pytest.mark.parametrize("threads", [1, 3, 4])
+def test_every_split_plan_matches_the_reference(threads: int) -> None:
+    """The key axis splits by the longest visible prefix and the thread count (more, equal work items until every
+    thread has as many): at 1, 3 and 4 threads the plans differ (3 KV heads on 4 threads: 4 items per head) and
+    every one must still combine to the float64 reference, rows of different lengths in one batch included."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rng = np.random.default_rng(10 + threads)
+        calls = sum(kernel_trial(rng, torch.float32, torch.float32, atol=2e-5, rtol=1e-5) for _ in range(40))
+    finally:
+        torch.set_num_threads(before)
+    assert calls > 100
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_cache_float32_math(kv_dtype: torch.dtype) -> None:
     """A bfloat16 / float16 cache with float32 queries: the kernel widens each key row and does float32 math, so

@@ -35,7 +35,7 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kBlock = 64;   // keys scored and softmaxed together: M x 64 scores stay in L1
-constexpr int64_t kSplit = 512;  // keys per work item (the flash-decoding split)
+constexpr int64_t kSplit = 512;  // keys per work item at most (the flash-decoding split)
 constexpr int64_t kMaxD = 256;
 constexpr int64_t kMaxRows = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -328,7 +328,7 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
 // Every work item's partial result: part [B*H, nsplit, M*(d+2)] holds acc [M, d], mx [M], l [M] per item.
 template <typename T, int NX>
 void attend(const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor& v, const int64_t* lens, const int64_t* n_new,
-            int64_t B, int64_t H, int64_t M, int64_t slots, int64_t nsplit, float scale, float* part) {
+            int64_t B, int64_t H, int64_t M, int64_t slots, int64_t nsplit, int64_t split, float scale, float* part) {
   constexpr int64_t d = NX * Vec::size();
   const int64_t S = k.size(2);
   const T* kp = k.data_ptr<T>();
@@ -345,8 +345,8 @@ void attend(const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor&
       }
       float* acc = part + item * M * (d + 2);
       split_item<T, NX>(qp + (b * H + h) * M * d, bf16_q, M, kp + b * k.stride(0) + h * k.stride(1), k.stride(2),
-                        vp + b * v.stride(0) + h * v.stride(1), v.stride(2), c * kSplit,
-                        std::min(visible, (c + 1) * kSplit), limit, scale, acc, acc + M * d, acc + M * d + M);
+                        vp + b * v.stride(0) + h * v.stride(1), v.stride(2), c * split,
+                        std::min(visible, (c + 1) * split), limit, scale, acc, acc + M * d, acc + M * d + M);
     }
   });
 }
@@ -384,15 +384,32 @@ void combine(const float* part, int64_t BH, int64_t M, int64_t d, int64_t nsplit
 
 template <typename T>
 void dispatch_d(const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor& v, const int64_t* lens, const int64_t* n_new,
-                int64_t B, int64_t H, int64_t M, int64_t slots, int64_t nsplit, float scale, float* part) {
+                int64_t B, int64_t H, int64_t M, int64_t slots, int64_t nsplit, int64_t split, float scale, float* part) {
   switch (k.size(3) / Vec::size()) {
-    case 1: return attend<T, 1>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, scale, part);
-    case 2: return attend<T, 2>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, scale, part);
-    case 4: return attend<T, 4>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, scale, part);
-    case 8: return attend<T, 8>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, scale, part);
-    case 16: return attend<T, 16>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, scale, part);
+    case 1: return attend<T, 1>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, split, scale, part);
+    case 2: return attend<T, 2>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, split, scale, part);
+    case 4: return attend<T, 4>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, split, scale, part);
+    case 8: return attend<T, 8>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, split, scale, part);
+    case 16: return attend<T, 16>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, split, scale, part);
     default: TORCH_CHECK(false, "decode_attention: head_dim ", k.size(3), " is not supported");
   }
+}
+
+// How the key axis is split into work items: (items per KV head, keys per item). The keys split evenly over the
+// longest visible prefix (not the read bucket, which may hold far more keys than any row sees), in items of at most
+// kSplit keys, and into more items where that makes the count a multiple of the threads, as long as an item keeps a
+// block of keys: 3 KV heads on 2 threads were 3 items (2 on one thread, 1 on the other) or 9 unequal ones; now 6
+// or 12 equal ones, so neither thread waits for the other.
+std::pair<int64_t, int64_t> plan_splits(const int64_t* lens, const int64_t* n_new, int64_t B, int64_t H, int64_t slots,
+                                        int64_t S, int64_t threads) {
+  int64_t visible = 0;  // the longest prefix any query row sees
+  for (int64_t b = 0; b < B; ++b)
+    if (n_new[b] > 0)
+      visible = std::max(visible, std::clamp<int64_t>(lens[b] - n_new[b] + std::min(slots, n_new[b]), 0, S));
+  int64_t nsplit = std::max<int64_t>(1, (visible + kSplit - 1) / kSplit);
+  while ((B * H * nsplit) % std::max<int64_t>(threads, 1) != 0 && visible / (nsplit + 1) >= kBlock) ++nsplit;
+  const int64_t split = std::max<int64_t>(16, ((visible + nsplit - 1) / nsplit + 15) / 16 * 16);  // whole 16-key groups
+  return {nsplit, split};
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
@@ -409,7 +426,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k and v rows must be contiguous");
   TORCH_CHECK(lens.scalar_type() == at::kLong && n_new.scalar_type() == at::kLong, "decode_attention: int64 lengths");
   const int64_t B = q.size(0), H = q.size(1), M = q.size(2), S = k.size(2);
-  const int64_t nsplit = std::max<int64_t>(1, (S + kSplit - 1) / kSplit);
+  auto lc = lens.contiguous();
+  auto nc = n_new.contiguous();
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  const int64_t* np = nc.data_ptr<int64_t>();
+  const auto [nsplit, split] = plan_splits(lp, np, B, H, slots, S, at::get_num_threads());
   auto qc = q.contiguous();
   auto out = at::empty(qc.sizes(), qc.options());
   // The queries in float32 (the kernel's math) and the items' partial results in one host buffer.
@@ -422,15 +443,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   });
   // bfloat16 queries over a bfloat16 cache: the scores by AVX512-BF16 dot products (exact products).
   const bool bf16_q = qc.scalar_type() == at::kBFloat16;
-  auto lc = lens.contiguous();
-  auto nc = n_new.contiguous();
-  const int64_t* lp = lc.data_ptr<int64_t>();
-  const int64_t* np = nc.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
   switch (k.scalar_type()) {
-    case at::kFloat: dispatch_d<float>(qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, sc, part); break;
-    case at::kBFloat16: dispatch_d<at::BFloat16>(qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, sc, part); break;
-    case at::kHalf: dispatch_d<at::Half>(qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, sc, part); break;
+    case at::kFloat: dispatch_d<float>(qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, split, sc, part); break;
+    case at::kBFloat16: dispatch_d<at::BFloat16>(qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, split, sc, part); break;
+    case at::kHalf: dispatch_d<at::Half>(qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, split, sc, part); break;
     default: TORCH_CHECK(false, "decode_attention: K/V dtype ", k.scalar_type(), " is not supported");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "decode_attention_out", [&] {
