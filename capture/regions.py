@@ -78,7 +78,7 @@ def _region(
 
 # The op is defined with torch.library's low-level API, not `torch.library.custom_op`: custom_op's Python wrappers
 # (argument defaults, an autograd function, version-counter bumps, output alias checks) cost ~150 us per call on
-# the 2-vCPU machine (161 against 14 us for the same body, profiles/RESULTS.md "Framework cost per step"), and a
+# the 2-vCPU machine (161 against 14 us for the same body; profiles/RESULTS.md, "Fifth session of 2026-12-01"), and a
 # decode step calls the op once per span. Nothing here needs them: steps run without autograd, and the fake below
 # is what tracing needs. The schema declares the mutation of K and V (`(a!)`, `(b!)`), which is what inductor
 # functionalises and then reinplaces on the cache buffers.
