@@ -51,7 +51,7 @@ class FakeSystem:
         self.calls += 1
         self.n = new_tokens
         self.clock.now += self.prefill * self.calls  # requests get slower: 1x, 2x, 3x ... (the median picks)
-        self.log.append(self.name)
+        self.log.append((self.name, len(prompt)))
 
     def finish(self) -> list[int]:
         self.clock.now += self.step * (self.n - 1) * self.calls
@@ -62,18 +62,22 @@ def test_timing_loop_medians_over_timed_requests_only_and_interleaves():
     clock, log = FakeClock(), []
     a = FakeSystem("a", clock, prefill=0.010, step=0.001, log=log)
     b = FakeSystem("b", clock, prefill=0.020, step=0.004, log=log, offset=5)
-    gated = []
-    t = bench_run.time_interleaved([a, b], [1, 2, 3], steps=4, repeats=3, warmup=2, clock=clock,
-                               gate=lambda: gated.append(len(log)))
-    assert log == ["a", "b"] * 5  # 2 warm-up rounds then 3 timed, the systems taking turns
-    assert gated == [4, 5, 6, 7, 8, 9]  # the idle gate runs before each timed request only
-    # Timed requests are calls 3, 4, 5: prefill 3x, 4x, 5x the base, median 4x; per token likewise.
-    assert t["a"].prefill_s == pytest.approx([0.030, 0.040, 0.050])
-    assert t["a"].prefill_ms() == pytest.approx(40.0)
-    assert t["a"].ms_per_token() == pytest.approx(4.0)  # 4 steps of 4 ms each over 4 steps
-    assert t["a"].ms_per_token(min) == pytest.approx(3.0)
-    assert t["b"].ms_per_token() == pytest.approx(16.0)
-    assert t["b"].tokens == [5, 6, 7, 8, 9]  # steps + 1 new tokens, from the first timed request
+    gated, ticks = [], []
+    t = bench_run.time_interleaved([a, b], {3: [1, 2, 3], 5: [1, 2, 3, 4, 5]}, steps=4, repeats=3, warmup=2,
+                                   clock=clock, gate=lambda: gated.append(len(log)), tick=ticks.append)
+    # 2 warm-up rounds then 3 timed, each round every context in turn and, within it, every system in turn.
+    assert log == [("a", 3), ("b", 3), ("a", 5), ("b", 5)] * 5
+    assert gated == list(range(8, 20))  # the idle gate runs before each timed request only
+    assert ticks == [3, 3, 5, 5] * 3
+    # a's calls alternate contexts: its timed requests at context 3 are calls 5, 7, 9 (prefill 5x, 7x, 9x the
+    # base, median 7x; per token likewise), at context 5 calls 6, 8, 10.
+    assert t[3]["a"].prefill_s == pytest.approx([0.050, 0.070, 0.090])
+    assert t[3]["a"].prefill_ms() == pytest.approx(70.0)
+    assert t[3]["a"].ms_per_token() == pytest.approx(7.0)
+    assert t[3]["a"].ms_per_token(min) == pytest.approx(5.0)
+    assert t[5]["a"].ms_per_token() == pytest.approx(8.0)
+    assert t[5]["b"].ms_per_token() == pytest.approx(32.0)
+    assert t[5]["b"].tokens == [5, 6, 7, 8, 9]  # steps + 1 new tokens, from the first timed request
 
 
 def test_idle_gate_waits_for_idle_cpus_and_counts_when_it_gives_up(monkeypatch):

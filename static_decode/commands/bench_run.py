@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,21 +83,27 @@ def request(system: System, prompt: list[int], steps: int, timing: Timing | None
 
 
 def time_interleaved(
-    systems: Sequence[System], prompt: list[int], steps: int, *, repeats: int, warmup: int, clock=time.perf_counter,
-    tick: Callable[[], None] = lambda: None, gate: Callable[[], None] = lambda: None,
-) -> dict[str, Timing]:
-    """`warmup` untimed then `repeats` timed requests per system, the systems taking turns request by request;
-    `gate()` runs before each timed request (outside the timing), `tick()` after it."""
-    timings = {s.name: Timing(steps) for s in systems}
+    systems: Sequence[System], prompts: Mapping[int, list[int]], steps: int, *, repeats: int, warmup: int,
+    clock=time.perf_counter, tick: Callable[[int], None] = lambda context: None,
+    gate: Callable[[], None] = lambda: None,
+) -> dict[int, dict[str, Timing]]:
+    """`warmup` untimed then `repeats` timed requests per system and context (`prompts`: context -> prompt), taking
+    turns request by request over the contexts and, within each, the systems: a slower phase of a shared machine then
+    falls on every context and system alike, so the ratios between contexts compare as well as those between
+    systems (taking the contexts one after another, a phase change between them read as a long-context cost).
+    `gate()` runs before each timed request (outside the timing), `tick(context)` after it."""
+    timings = {L: {s.name: Timing(steps) for s in systems} for L in prompts}
     with ranges.range(ranges.bench_name("warmup")):
         for _ in range(warmup):
-            for s in systems:
-                request(s, prompt, steps, None, clock)
+            for prompt in prompts.values():
+                for s in systems:
+                    request(s, prompt, steps, None, clock)
     for _ in range(repeats):
-        for s in systems:
-            gate()
-            request(s, prompt, steps, timings[s.name], clock)
-            tick()
+        for L, prompt in prompts.items():
+            for s in systems:
+                gate()
+                request(s, prompt, steps, timings[L][s.name], clock)
+                tick(L)
     return timings
 
 
@@ -221,7 +227,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
         "repeats": config.repeats, "warmup": config.warmup, "prompt": source,
         "timing": "per request: ms_per_token = decode wall time / steps (all tokens back on the host), "
         "prefill = wall time to the first token on the host; median (and best) over the timed requests; "
-        "systems interleaved request by request",
+        "systems and contexts interleaved request by request",
     }
     systems: list[System] = []
     doc["systems"], doc["notes"], rows = [], [], []
@@ -246,11 +252,11 @@ def run(config: BenchConfig) -> dict[str, Any]:
                 systems.append(system)
         gate = IdleGate(config.wait_idle)
         before = read_bandwidth(device)
-        for L in config.contexts:
-            timings = time_interleaved(
-                systems, prompt[:L], config.steps, repeats=config.repeats, warmup=config.warmup,
-                tick=lambda L=L: advance(f"context {L}", 1), gate=gate,
-            )
+        by_context = time_interleaved(
+            systems, {L: prompt[:L] for L in config.contexts}, config.steps, repeats=config.repeats,
+            warmup=config.warmup, tick=lambda L: advance(f"context {L}", 1), gate=gate,
+        )
+        for L, timings in by_context.items():
             reference = timings.get("static-decode")
             for s in systems:
                 rows.append(_row(s, timings[s.name], L, config.max_len, reference))
