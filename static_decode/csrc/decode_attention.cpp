@@ -81,16 +81,31 @@ inline void scores(const float* q, int64_t M, const float* kb, int64_t n, int64_
   }
 }
 
-// acc[d] = alpha * acc + sum_j p[j] * v[j]: NX independent FMA chains held in registers.
-template <int NX>
-inline void accumulate(float* acc, float alpha, const float* p, const float* vb, int64_t n) {
-  Vec a[NX];
-  for (int x = 0; x < NX; ++x) a[x] = Vec::loadu(acc + x * Vec::size()) * Vec(alpha);
-  for (int64_t j = 0; j < n; ++j) {
-    const Vec pj(p[j]);
-    for (int x = 0; x < NX; ++x) a[x] = at::vec::fmadd(pj, Vec::loadu(vb + j * NX * Vec::size() + x * Vec::size()), a[x]);
+// acc[row] = alpha[row] * acc[row] + sum_j p[row][j] * v[j] for the R rows of a group at once (r <= R used): each
+// value row is loaded once for the whole group (`value(j, x)`: the x-th float vector of value row j), R x NX
+// accumulators held in registers (R * NX <= 24).
+template <int NX, int R, typename Value>
+inline void accumulate_rows(const int64_t* rows, int64_t r, float* acc, const float* alpha, const float* s, int64_t n,
+                            Value value) {
+  constexpr int64_t d = NX * Vec::size();
+  Vec a[R][NX];
+  for (int i = 0; i < R; ++i) {
+    if (i >= r) break;
+    for (int x = 0; x < NX; ++x) a[i][x] = Vec::loadu(acc + rows[i] * d + x * Vec::size()) * Vec(alpha[rows[i]]);
   }
-  for (int x = 0; x < NX; ++x) a[x].store(acc + x * Vec::size());
+  for (int64_t j = 0; j < n; ++j) {
+    Vec vr[NX];
+    for (int x = 0; x < NX; ++x) vr[x] = value(j, x);
+    for (int i = 0; i < R; ++i) {
+      if (i >= r) break;
+      const Vec p(s[rows[i] * kBlock + j]);
+      for (int x = 0; x < NX; ++x) a[i][x] = at::vec::fmadd(p, vr[x], a[i][x]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    if (i >= r) break;
+    for (int x = 0; x < NX; ++x) a[i][x].store(acc + rows[i] * d + x * Vec::size());
+  }
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -204,60 +219,7 @@ template <>
 inline Vec row16<at::Half>(const at::Half* p) {
   return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 }
-
-// accumulate_rows reading the value rows from the cache itself (row stride vs), each widened once in registers for
-// the whole group: the scratch copy it replaces (stores, then loads) was a fifth of the kernel's time with a
-// bfloat16 cache. Same products and sums in the same order, so the same results.
-template <typename T, int NX, int R>
-inline void accumulate_rows_direct(const int64_t* rows, int64_t r, float* acc, const float* alpha, const float* s,
-                                   const T* v, int64_t vs, int64_t n) {
-  constexpr int64_t d = NX * Vec::size();
-  Vec a[R][NX];
-  for (int i = 0; i < R; ++i) {
-    if (i >= r) break;
-    for (int x = 0; x < NX; ++x) a[i][x] = Vec::loadu(acc + rows[i] * d + x * Vec::size()) * Vec(alpha[rows[i]]);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    Vec vr[NX];
-    for (int x = 0; x < NX; ++x) vr[x] = row16<T>(v + j * vs + x * Vec::size());
-    for (int i = 0; i < R; ++i) {
-      if (i >= r) break;
-      const Vec p(s[rows[i] * kBlock + j]);
-      for (int x = 0; x < NX; ++x) a[i][x] = at::vec::fmadd(p, vr[x], a[i][x]);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    if (i >= r) break;
-    for (int x = 0; x < NX; ++x) a[i][x].store(acc + rows[i] * d + x * Vec::size());
-  }
-}
 #endif
-
-// acc[row] = alpha[row] * acc[row] + sum_j p[row][j] * v[j] for the R rows of a group at once (r <= R used): each
-// value row is loaded once for the whole group, R x NX accumulators held in registers (R * NX <= 24).
-template <int NX, int R>
-inline void accumulate_rows(const int64_t* rows, int64_t r, float* acc, const float* alpha, const float* s,
-                            const float* vb, int64_t n) {
-  constexpr int64_t d = NX * Vec::size();
-  Vec a[R][NX];
-  for (int i = 0; i < R; ++i) {
-    if (i >= r) break;
-    for (int x = 0; x < NX; ++x) a[i][x] = Vec::loadu(acc + rows[i] * d + x * Vec::size()) * Vec(alpha[rows[i]]);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    Vec vr[NX];
-    for (int x = 0; x < NX; ++x) vr[x] = Vec::loadu(vb + j * d + x * Vec::size());
-    for (int i = 0; i < R; ++i) {
-      if (i >= r) break;
-      const Vec p(s[rows[i] * kBlock + j]);
-      for (int x = 0; x < NX; ++x) a[i][x] = at::vec::fmadd(p, vr[x], a[i][x]);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    if (i >= r) break;
-    for (int x = 0; x < NX; ++x) a[i][x].store(acc + rows[i] * d + x * Vec::size());
-  }
-}
 
 // One work item: keys [s0, s1) of KV head (b, h) for its M query rows; leaves the unnormalised output acc [M, d],
 // the running max mx [M] and sum l [M] (l == 0: no visible key in this split).
@@ -314,14 +276,17 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
       active[na++] = m;
     }
 #if defined(CPU_CAPABILITY_AVX512)
-    for (int64_t g = 0; g < na; g += R)
-      accumulate_rows_direct<T, NX, R>(active + g, std::min<int64_t>(R, na - g), acc, alpha, s, v + j0 * vs, vs, n);
+    // The value rows read from the cache itself, each widened once in registers for the whole group: the scratch
+    // copy this replaced (stores, then loads) was a fifth of the kernel's time with a bfloat16 cache.
+    const T* vj = v + j0 * vs;
+    const auto value = [&](int64_t j, int x) { return row16<T>(vj + j * vs + x * Vec::size()); };
 #else
     alignas(64) float vbuf[kBlock * d];  // without AVX-512 the value rows are widened into scratch
     const float* vb = float_rows<T>(v + j0 * vs, vs, n, d, vbuf);
-    for (int64_t g = 0; g < na; g += R)
-      accumulate_rows<NX, R>(active + g, std::min<int64_t>(R, na - g), acc, alpha, s, vb, n);
+    const auto value = [&](int64_t j, int x) { return Vec::loadu(vb + j * d + x * Vec::size()); };
 #endif
+    for (int64_t g = 0; g < na; g += R)
+      accumulate_rows<NX, R>(active + g, std::min<int64_t>(R, na - g), acc, alpha, s, n, value);
   }
 }
 
