@@ -37,6 +37,7 @@ from torch import Tensor
 
 from capture import _dynamo_counters as dc
 from capture.settings import CompileSettings
+from static_decode import fused_decode
 from static_decode.cache import LayerSpan, StaticKVCache
 from static_decode.model import Llama, run_blocks, step_attention
 
@@ -154,6 +155,12 @@ class LayerRegions:
         self._fn = settings.compile(self._code, graphs=graphs, symbolic=self.symbolic)
         self.handle = next(_HANDLES)
         self.compiled = 0  # region graphs dynamo compiled so far (the capture records report them apart)
+        # One-row, one-token steps: every layer in one kernel call instead of the compiled spans, where the model
+        # and cache allow (static_decode.fused_decode); `fused_why` says why not otherwise.
+        self.fused: fused_decode.FusedLayers | None = None
+        self.fused_why = fused_decode.unsupported(model, cache) if settings.fused_decode else "fused_decode=False"
+        if self.fused_why is None:
+            self.fused = fused_decode.FusedLayers(model, 0, len(model.layers))
         _LIVE[self.handle] = self
 
     def __call__(
@@ -167,8 +174,9 @@ class LayerRegions:
         read_len: int,
         fresh: bool,
     ) -> Tensor:
-        """Traced inside a step: one opaque op per span."""
-        for start, stop in self.spans:
+        """Traced inside a step: one opaque op per span, or one for every layer where the fused kernel runs them."""
+        whole = self.fused is not None and x.shape[0] == 1 and x.shape[1] == 1
+        for start, stop in ((0, len(self.model.layers)),) if whole else self.spans:
             x = torch.ops.static_decode.layer_region(
                 x, cos, sin, cache.k, cache.v, cache.lens, n_new, lens_after, read_len, start, stop, fresh,
                 self.handle,
@@ -190,7 +198,10 @@ class LayerRegions:
         stop: int,
         fresh: bool,
     ) -> Tensor:
-        """The op's body at run time: the compiled region over this span's blocks and K/V views."""
+        """The op's body at run time: the compiled region over this span's blocks and K/V views, or the fused
+        kernel over every layer (the traced call chose it: a one-row, one-token step)."""
+        if self.fused is not None and (start, stop) == (0, len(self.model.layers)) and x.shape[:2] == (1, 1):
+            return self.fused(x, cos, sin, k, v, lens, n_new, lens_after, read_len)
         n = dc.dynamic_int(int(read_len)) if self.symbolic else int(read_len)
         # The op is reached with or without the ADInplaceOrView key excluded (inductor calls it both ways), and
         # dynamo guards on the inputs' dispatch keys: one setting for every call, or each way is a recompile.

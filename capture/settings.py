@@ -84,6 +84,7 @@ class CompileSettings:
     backend: str = "inductor"  # "eager"/"aot_eager": dynamo only (debugging, fast tests); no mode/options
     symbolic_read_len: bool = False  # one compile per kind for every rung (True) or one per (kind, rung) (False)
     layer_regions: int = 0  # > 0: the blocks compile apart in up to this many equal spans (capture.regions); 0: whole
+    fused_decode: bool = False  # with layer regions: one-row, one-token steps run static_decode.fused_decode's kernel
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -101,6 +102,10 @@ class CompileSettings:
             raise ValueError(f"mode and options are inductor settings; backend={self.backend!r} takes neither")
         if not isinstance(self.symbolic_read_len, bool):
             raise TypeError(f"symbolic_read_len must be a bool, got {self.symbolic_read_len!r}")
+        if not isinstance(self.fused_decode, bool):
+            raise TypeError(f"fused_decode must be a bool, got {self.fused_decode!r}")
+        if self.fused_decode and not self.layer_regions:
+            raise ValueError("fused_decode=True runs in place of a layer region: it needs layer_regions > 0")
         if isinstance(self.layer_regions, bool) or not isinstance(self.layer_regions, int) or self.layer_regions < 0:
             raise ValueError(
                 f"layer_regions must be an int >= 0 (0: the whole step in one graph), got {self.layer_regions!r}"
@@ -122,7 +127,7 @@ class CompileSettings:
                 return cls()
             return cls(mode="reduce-overhead")
         if device.type == "cpu":
-            return cls(options=CPU_OPTIONS, symbolic_read_len=True, layer_regions=CPU_LAYER_REGIONS)
+            return cls(options=CPU_OPTIONS, symbolic_read_len=True, layer_regions=CPU_LAYER_REGIONS, fused_decode=True)
         return cls()
 
     def cudagraphs(self, device: torch.device | str) -> bool:
@@ -133,6 +138,7 @@ class CompileSettings:
     def describe(self) -> str:
         read = " + symbolic read_len" if self.symbolic_read_len else ""
         read += f" + {self.layer_regions} layer regions" if self.layer_regions else ""
+        read += " + fused decode" if self.fused_decode else ""
         if self.backend != "inductor":
             return f"backend={self.backend}{read}"
         if self.options:

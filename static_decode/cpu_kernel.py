@@ -20,6 +20,7 @@ without them.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import warnings
@@ -27,7 +28,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "gemv_bf16.cpp")]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("decode_attention.cpp", "gemv_bf16.cpp", "decode_layers.cpp")]
+HEADERS = [CSRC / "kernels.h"]  # hashed into the build flags: torch's extension cache hashes only the sources
 ENV = "STATIC_DECODE_CPU_KERNEL"  # "0": never build or use the kernels
 MAX_ROWS = 64  # query rows per KV head the kernel takes (kMaxRows)
 MAX_HEAD_DIM = 256
@@ -80,6 +83,8 @@ def _build() -> None:
     # flag the pragma is dropped and the kernel runs on one thread (measured: 2x slower on 2 threads).
     flags = ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}", *_ISA_FLAGS.get(cap, [])]
     flags += ["-mavx512bf16"] if bf16_dot() else []  # gemv_bf16's instruction; without it the op refuses to run
+    headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    flags += [f"-DSTATIC_DECODE_HEADERS={headers}"]  # a changed header is a new build, as a changed source is
     load(name=f"static_decode_cpu_{cap.lower()}{'_bf16' if bf16_dot() else ''}", sources=[str(s) for s in SOURCES],
          extra_cflags=flags,
          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)

@@ -16,6 +16,8 @@
 // when t >= n_new[b] (a padded slot returns exact zeros). Keys past the longest visible prefix are never read.
 #include <torch/extension.h>
 
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -428,6 +430,12 @@ at::Tensor decode_attention_meta(const at::Tensor& q, const at::Tensor& k, const
 }
 
 }  // namespace
+
+at::Tensor static_decode_kernels::decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const at::Tensor& lens, const at::Tensor& n_new, int64_t slots,
+                                                   double scale) {
+  return ::decode_attention(q, k, v, lens, n_new, slots, scale);
+}
 
 TORCH_LIBRARY(static_decode_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, Tensor n_new, int slots, float scale) -> Tensor");

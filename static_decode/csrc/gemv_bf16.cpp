@@ -8,6 +8,8 @@
 // 8 rows at once with the next 8 rows prefetched: 25-27 GB/s on SmolLM2's shapes.
 #include <torch/extension.h>
 
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -184,6 +186,13 @@ at::Tensor gemv_bf16_glu_meta(const at::Tensor& x, const at::Tensor& gate, const
 }
 
 }  // namespace
+
+#if defined(__AVX512BF16__)
+void static_decode_kernels::bf16_rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1,
+                                      float* y) {
+  rows<float>(W, x, K, n0, n1, y);
+}
+#endif
 
 TORCH_LIBRARY_FRAGMENT(static_decode_cpu, m) {
   m.def("gemv_bf16(Tensor x, Tensor weight) -> Tensor");

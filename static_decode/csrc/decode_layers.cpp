@@ -1,0 +1,257 @@
+// A batch-1 decode step's decoder layers in one call: for each layer, RMSNorm, q/k/v, the rotary embedding, the
+// cache write, attention, o_proj and the residual, RMSNorm, gate/up/SiLU, down_proj and the residual.
+// Built with the other kernels by static_decode/cpu_kernel.py; called by capture.regions in place of a compiled
+// region for one-token, one-row steps (static_decode/fused_decode.py says when).
+//
+// Why: the products of a batch-1 decode step already run at the memory's rate (gemv_bf16.cpp), but each of a
+// layer's ~15 kernels is a call from the step's compiled code, with its dispatch, allocation and glue, ~55 us a
+// layer on the 2-vCPU machine: ~1.7 ms of SmolLM2's ~12.6 ms bfloat16 step (profiles/RESULTS.md, "Fifth session of
+// 2026-12-01"). Here a layer is five parallel loops (q/k/v, attention, o, gate/up, down) and a few serial passes
+// over one row of the hidden width, with no allocation but the attention's.
+//
+// The same math as the unfused eager layer, rounded where it rounds: each product's float32 sum rounded to the
+// model's dtype, the norm's float32 result rounded before its weight, the rotary embedding's products and sums, the
+// residual sums; SwiGLU's silu(gate) * up in float32 from the rounded products, rounded once (gemv_bf16_glu's). A
+// bfloat16 model's layers come out bit-identical to eager's; float32 ones differ by the products' summation order
+// (MKL's against ours), ~1e-7 relative.
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kRows = 8;      // weight rows per inner step (gemv_bf16.cpp's)
+constexpr int64_t kPerLayer = 9;  // weights per layer, in this order:
+enum { kInNorm, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown };
+
+inline float hsum(const Vec& a) {
+  alignas(64) float t[Vec::size()];
+  a.store(t);
+  float s = 0.f;
+  for (int i = 0; i < Vec::size(); ++i) s += t[i];
+  return s;
+}
+
+// Rows [n0, n1) of float32 W [N, K] times x [K] into y: 8 rows at once with the next 8 prefetched, float32 FMAs.
+void f32_rows(const float* W, const float* x, int64_t K, int64_t n0, int64_t n1, float* y) {
+  const int64_t body = K / Vec::size() * Vec::size();
+  int64_t n = n0;
+  for (; n + kRows <= n1; n += kRows) {
+    const float* w = W + n * K;
+    Vec a[kRows];
+    for (int r = 0; r < kRows; ++r) a[r] = Vec(0.f);
+    for (int64_t k = 0; k < body; k += Vec::size()) {
+      const Vec xv = Vec::loadu(x + k);
+      for (int r = 0; r < kRows; ++r) {
+        __builtin_prefetch(w + (r + kRows) * K + k);
+        a[r] = at::vec::fmadd(Vec::loadu(w + r * K + k), xv, a[r]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      float s = hsum(a[r]);
+      for (int64_t k = body; k < K; ++k) s += w[r * K + k] * x[k];
+      y[n + r] = s;
+    }
+  }
+  for (; n < n1; ++n) {
+    const float* w = W + n * K;
+    Vec a(0.f);
+    for (int64_t k = 0; k < body; k += Vec::size()) a = at::vec::fmadd(Vec::loadu(w + k), Vec::loadu(x + k), a);
+    float s = hsum(a);
+    for (int64_t k = body; k < K; ++k) s += w[k] * x[k];
+    y[n] = s;
+  }
+}
+
+// One matrix of a parallel product: W [n, K] in the model's dtype, float32 sums into y.
+struct Product {
+  const void* w;
+  int64_t n;
+  float* y;
+};
+
+// The products that read the same row x (q/k/v; gate/up; o; down) in one parallel loop over all their row blocks.
+// x is the row in the weights' dtype (S); the sums are float32, not rounded.
+template <typename S>
+void products(const S* x, int64_t K, std::initializer_list<Product> mats) {
+  std::vector<int64_t> first{0};  // first row block of each matrix, then the total
+  for (const Product& p : mats) first.push_back(first.back() + (p.n + kRows - 1) / kRows);
+  at::parallel_for(0, first.back(), 8, [&](int64_t b, int64_t e) {
+    int64_t i = 0;
+    for (const Product& p : mats) {
+      const int64_t lo = std::max(b, first[i]), hi = std::min(e, first[i + 1]);
+      ++i;
+      if (lo >= hi) continue;
+      const int64_t n0 = (lo - first[i - 1]) * kRows, n1 = std::min(p.n, (hi - first[i - 1]) * kRows);
+      if constexpr (std::is_same_v<S, float>) {
+        f32_rows(static_cast<const float*>(p.w), x, K, n0, n1, p.y);
+      } else {
+#if defined(__AVX512BF16__)
+        static_decode_kernels::bf16_rows(static_cast<const uint16_t*>(p.w), reinterpret_cast<const uint16_t*>(x),
+                                         K, n0, n1, p.y);
+#else
+        TORCH_CHECK(false, "decode_layers: bfloat16 weights need AVX512-BF16");
+#endif
+      }
+    }
+  });
+}
+
+template <typename S>
+inline float rnd(float f) {  // a float32 value rounded to the model's dtype (what storing it in a tensor does)
+  return static_cast<float>(static_cast<S>(f));
+}
+
+// RMSNorm of x [D] (float32 values of the model's dtype) into out [D] in the model's dtype: x / rms(x) in float32,
+// rounded, times the weight, rounded (static_decode.model.RMSNorm).
+template <typename S>
+void rms_norm(const float* x, const S* weight, int64_t D, double eps, S* out) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+  for (int64_t i = 0; i < D; ++i) out[i] = static_cast<S>(static_cast<float>(weight[i]) * rnd<S>(x[i] * r));
+}
+
+// The rotary embedding of `heads` heads of d values (rounded products in y) in place, half-split pairing
+// (static_decode.rope.apply): x1 * cos + (-x2) * sin, x2 * cos + x1 * sin, each product and the sum rounded to the
+// model's dtype, as the eager ops round them.
+template <typename S>
+void rotate(float* y, int64_t heads, int64_t d, const S* cos, const S* sin) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* p = y + h * d;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = p[i], x2 = p[i + half], c = static_cast<float>(cos[i]), s = static_cast<float>(sin[i]);
+      p[i] = rnd<S>(rnd<S>(x1 * c) + rnd<S>(-x2 * s));
+      p[i + half] = rnd<S>(rnd<S>(x2 * c) + rnd<S>(x1 * s));
+    }
+  }
+}
+
+template <typename S>
+at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k, at::Tensor& v,
+                  const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after, int64_t read_len,
+                  at::TensorList w, double eps) {
+  const int64_t L = k.size(0), Hkv = k.size(2), d = k.size(4), D = x.size(-1);
+  const int64_t Nq = w[kQ].size(0), Nkv = w[kK].size(0), inner = w[kGate].size(0), Hq = Nq / d, G = Hq / Hkv;
+  const int64_t max_len = k.size(3) - 1;  // the spare row past max_len takes a padded slot (cache.SPARE_ROWS)
+  const int64_t n = n_new.data_ptr<int64_t>()[0];
+  const int64_t pos = n > 0 ? lens.data_ptr<int64_t>()[0] : max_len;  // the old length (rule 3)
+  const S* cs = cos.data_ptr<S>();
+  const S* sn = sin.data_ptr<S>();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+
+  std::vector<float> xs(D), qkv(Nq + 2 * Nkv), o(D), gu(2 * inner);
+  std::vector<S> h(std::max(D, inner)), row(Nq);
+  const S* xin = x.data_ptr<S>();
+  for (int64_t i = 0; i < D; ++i) xs[i] = static_cast<float>(xin[i]);
+  auto q = at::empty({1, Hkv, G, d}, x.options());  // the queries in the model's dtype, as the unfused layer has them
+  S* qp = q.data_ptr<S>();
+
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* lw = w.data() + l * kPerLayer;
+    const auto ptr = [&](int i) { return lw[i].data_ptr<S>(); };
+    rms_norm<S>(xs.data(), ptr(kInNorm), D, eps, h.data());
+    products<S>(h.data(), D, {{ptr(kQ), Nq, qkv.data()}, {ptr(kK), Nkv, qkv.data() + Nq},
+                              {ptr(kV), Nkv, qkv.data() + Nq + Nkv}});
+    for (float& f : qkv) f = rnd<S>(f);
+    rotate<S>(qkv.data(), Hq + Hkv, d, cs, sn);  // q's heads then k's: adjacent
+    for (int64_t i = 0; i < Nq; ++i) qp[i] = static_cast<S>(qkv[i]);  // head h = kv * G + g: [1, Hkv, G, d]
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "decode_layers_write", [&] {
+      for (int64_t hh = 0; hh < Hkv; ++hh) {  // row 0, head hh, position pos: written in place (rule 1)
+        scalar_t* kd = k.data_ptr<scalar_t>() + l * k.stride(0) + hh * k.stride(2) + pos * k.stride(3);
+        scalar_t* vd = v.data_ptr<scalar_t>() + l * v.stride(0) + hh * v.stride(2) + pos * v.stride(3);
+        for (int64_t i = 0; i < d; ++i) {
+          kd[i] = static_cast<scalar_t>(static_cast<S>(qkv[Nq + hh * d + i]));
+          vd[i] = static_cast<scalar_t>(static_cast<S>(qkv[Nq + Nkv + hh * d + i]));
+        }
+      }
+    });
+    const auto kl = k.select(0, l).slice(2, 0, read_len);  // [1, Hkv, read_len, d] views
+    const auto vl = v.select(0, l).slice(2, 0, read_len);
+    const auto att = static_decode_kernels::decode_attention(q, kl, vl, lens_after, n_new, 1, scale);  // [1, Hkv, G, d]
+    products<S>(att.data_ptr<S>(), Nq, {{ptr(kO), D, o.data()}});
+    for (int64_t i = 0; i < D; ++i) xs[i] = rnd<S>(xs[i] + rnd<S>(o[i]));
+    rms_norm<S>(xs.data(), ptr(kPostNorm), D, eps, h.data());
+    products<S>(h.data(), D, {{ptr(kGate), inner, gu.data()}, {ptr(kUp), inner, gu.data() + inner}});
+    for (int64_t i = 0; i < inner; ++i) {  // silu(gate) * up from the rounded products, rounded once
+      const float g = rnd<S>(gu[i]), u = rnd<S>(gu[inner + i]);
+      h[i] = static_cast<S>(g / (1.f + std::exp(-g)) * u);
+    }
+    products<S>(h.data(), inner, {{ptr(kDown), D, o.data()}});
+    for (int64_t i = 0; i < D; ++i) xs[i] = rnd<S>(xs[i] + rnd<S>(o[i]));
+  }
+  auto out = at::empty_like(x);
+  S* op = out.data_ptr<S>();
+  for (int64_t i = 0; i < D; ++i) op[i] = static_cast<S>(xs[i]);
+  return out;
+}
+
+// x [1, 1, D]; cos/sin [1, 1, 1, d/2]; k/v [L, 1, Hkv, max_len + 1, d] (the layers' cache, written at the old
+// length); lens (old) / n_new / lens_after [1] int64; weights: kPerLayer per layer. Returns x after the L layers.
+at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
+                         at::Tensor& v, const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after,
+                         int64_t read_len, at::TensorList weights, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1 && x.is_contiguous(),
+              "decode_layers: x must be one contiguous row [1, 1, D], got ", x.sizes());
+  TORCH_CHECK(k.dim() == 5 && k.sizes() == v.sizes() && k.size(1) == 1 && k.stride(4) == 1 && v.stride(4) == 1,
+              "decode_layers: k and v must be [L, 1, Hkv, S, d] with contiguous rows, got ", k.sizes(), " ", v.sizes());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * k.size(0), "decode_layers: ", weights.size(),
+              " weights for ", k.size(0), " layers (", kPerLayer, " a layer)");
+  TORCH_CHECK(read_len >= 1 && read_len <= k.size(3) - 1, "decode_layers: read_len ", read_len, " outside 1..",
+              k.size(3) - 1);
+  for (const at::Tensor* t : {&lens, &n_new, &lens_after})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == 1, "decode_layers: lengths must be [1] int64");
+  const int64_t d = k.size(4), D = x.size(2);
+  TORCH_CHECK(cos.numel() == d / 2 && sin.numel() == d / 2 && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "decode_layers: cos/sin must hold head_dim / 2 values in x's dtype");
+  for (int64_t l = 0; l < k.size(0); ++l) {
+    const at::Tensor* lw = weights.data() + l * kPerLayer;
+    const int64_t Nq = lw[kQ].size(0), Nkv = lw[kK].size(0), inner = lw[kGate].size(0);
+    TORCH_CHECK(Nkv == k.size(2) * d && Nq % Nkv == 0 && lw[kV].size(0) == Nkv, "decode_layers: layer ", l,
+                " q/k/v rows ", Nq, "/", Nkv, "/", lw[kV].size(0), " do not match the cache's heads");
+    const int64_t want[kPerLayer][2] = {{D, -1}, {Nq, D}, {Nkv, D}, {Nkv, D}, {D, Nq}, {D, -1}, {inner, D},
+                                        {inner, D}, {D, inner}};
+    for (int i = 0; i < kPerLayer; ++i) {
+      const at::Tensor& t = lw[i];
+      const bool shape = want[i][1] < 0 ? (t.dim() == 1 && t.size(0) == want[i][0])
+                                        : (t.dim() == 2 && t.size(0) == want[i][0] && t.size(1) == want[i][1]);
+      TORCH_CHECK(shape && t.is_contiguous() && t.scalar_type() == x.scalar_type(), "decode_layers: layer ", l,
+                  " weight ", i, " is ", t.scalar_type(), " ", t.sizes(), " (contiguous, x's dtype wanted)");
+    }
+  }
+  switch (x.scalar_type()) {
+    case at::kFloat: return layers<float>(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, eps);
+#if defined(__AVX512BF16__)
+    case at::kBFloat16:
+      return layers<at::BFloat16>(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, eps);
+#endif
+    default: TORCH_CHECK(false, "decode_layers: model dtype ", x.scalar_type(), " is not supported here");
+  }
+}
+
+at::Tensor decode_layers_meta(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
+                              at::Tensor& v, const at::Tensor& lens, const at::Tensor& n_new,
+                              const at::Tensor& lens_after, int64_t read_len, at::TensorList weights, double eps) {
+  return at::empty_like(x);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(static_decode_cpu, m) {
+  m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor lens, Tensor n_new, "
+        "Tensor lens_after, int read_len, Tensor[] weights, float eps) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(static_decode_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
+TORCH_LIBRARY_IMPL(static_decode_cpu, Meta, m) { m.impl("decode_layers", &decode_layers_meta); }

@@ -1,0 +1,89 @@
+"""A batch-1 decode step's decoder layers as one call of our CPU kernel (csrc/decode_layers.cpp).
+
+Why: on the CPU a one-token step's products already read the weights at the memory's rate (cpu_kernel.gemv_bf16),
+and what is left is the cost around them: each layer's ~15 kernels are calls from the compiled step, ~55 us a layer
+of dispatch, allocation and glue on the 2-vCPU machine, ~1.7 ms of SmolLM2-135M's ~12.6 ms bfloat16 token
+(profiles/fixed_cost.py). `decode_layers` runs every layer of a span in one call: per layer five parallel loops
+(q/k/v, attention, o, gate/up, down) and serial passes over one row, the cache written in place at the row's
+length (rule 1), the attention the decode kernel's over the read bucket (rules 3 and 5).
+
+Where: capture.regions calls it in place of a compiled layer region for steps of one row and one slot, where
+`unsupported` finds nothing against it; every other step (prefill chunks, batches, verify steps) and every other
+model keeps the compiled region. The eager model never takes it: eager stays the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from static_decode import cpu_kernel
+from static_decode.attention import resolve_impl
+from static_decode.cache import StaticKVCache
+from static_decode.model import Block, Llama
+
+DTYPES = (torch.float32, torch.bfloat16)  # model dtypes the kernel takes (bfloat16 where AVX512-BF16 is)
+
+
+def unsupported(model: Llama, cache: StaticKVCache) -> str | None:
+    """Why the fused layers cannot run one-token steps of `model` over `cache`, or None when they can (without
+    building the kernels: `FusedLayers` does)."""
+    c = model.config
+    groups = c.num_heads // c.num_kv_heads
+    reasons = (
+        (model.device.type != "cpu", f"the model is on {model.device}, the kernel is the CPU's"),
+        (model.tp.enabled, "a tensor-parallel model (its all-reduces stay in the step graph)"),
+        (cache.batch != 1, f"batch {cache.batch}: the kernel reads the weights once for one row"),
+        (model.dtype not in DTYPES, f"model dtype {model.dtype}"),
+        (model.dtype == torch.bfloat16 and not cpu_kernel.bf16_dot(), "bfloat16 weights need AVX512-BF16"),
+        (c.qkv_bias or c.o_bias or c.mlp_bias, "projection biases"),
+        (c.qk_norm, "q/k norms (Qwen3)"),
+        (not cpu_kernel.supports(groups, c.head_dim, cache.dtype, cache.device), f"head_dim {c.head_dim}"),
+    )
+    for bad, why in reasons:
+        if bad:
+            return why
+    impl = resolve_impl(model.attn_impl, 1, cache.kv_heads, groups, cache.device, c.head_dim, cache.dtype)
+    if impl != "decode_kernel":
+        return f"attention {model.attn_impl!r} resolves to {impl!r}, not the decode kernel"
+    return None
+
+
+def layer_weights(block: Block) -> list[torch.Tensor]:
+    """The nine tensors of a block in the kernel's order (csrc/decode_layers.cpp, kPerLayer)."""
+    a, m = block.self_attn, block.mlp
+    return [
+        block.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
+        block.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
+    ]
+
+
+class FusedLayers:
+    """Layers start..stop-1 of `model` as one kernel call for one-token, one-row steps."""
+
+    def __init__(self, model: Llama, start: int, stop: int) -> None:
+        if not cpu_kernel.available():
+            raise RuntimeError("the CPU kernels are not built (no compiler, or STATIC_DECODE_CPU_KERNEL=0)")
+        self.model, self.start, self.stop = model, start, stop
+        self.eps = float(model.config.rms_norm_eps)
+        # The parameters themselves (not copies): a load_state_dict into the model is seen; contiguous already
+        # (nn.Linear's), checked by the kernel on every call.
+        self.weights = [w.detach() for block in model.layers[start:stop] for w in layer_weights(block)]
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lens: torch.Tensor,
+        n_new: torch.Tensor,
+        lens_after: torch.Tensor,
+        read_len: int,
+    ) -> torch.Tensor:
+        """x [1, 1, D] through the layers; k/v [n, 1, Hkv, max_len + spare, d] the span's cache layers (written in
+        place at lens, the old length); cos/sin [1, 1, 1, d/2]. Returns x after the last layer."""
+        return torch.ops.static_decode_cpu.decode_layers(
+            x.contiguous(), cos.contiguous(), sin.contiguous(), k, v, lens, n_new, lens_after, int(read_len),
+            self.weights, self.eps,
+        )  # [1, 1, D]
