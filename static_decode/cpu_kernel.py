@@ -1,6 +1,7 @@
 """Our CPU kernels, built on first use, then ops like any others: decode attention (csrc/decode_attention.cpp) and
 the bfloat16 one-row products (csrc/gemv_bf16.cpp, where the CPU has AVX512-BF16: `gemv_bf16`, and the calls a
-decode layer makes in place of several: `gemv_bf16_cat3` for q/k/v, `gemv_bf16_glu` for SwiGLU's gate/up/silu).
+decode layer makes in place of several: `gemv_bf16_cat3` for q/k/v, `gemv_bf16_glu` for SwiGLU's gate/up/silu), and
+a batch-1 decode step's whole decoder layers in one call (csrc/decode_layers.cpp, static_decode.fused_decode).
 
 Why an attention kernel: a decode step has G * T query rows per KV head (3 for SmolLM2-135M). SDPA's CPU flash
 kernel runs each key block as two GEMMs that small, and inductor's reductions reread K per query row or sum V along

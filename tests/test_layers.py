@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("static_decode", "capture")
 CORE = {
     f"static_decode.{name}"
-    for name in ("attention", "cache", "chat_template", "checks", "config", "cpu_kernel", "exports", "loading",
-                 "memory", "model",
+    for name in ("attention", "cache", "chat_template", "checks", "config", "cpu_kernel", "exports", "fused_decode",
+                 "loading", "memory", "model",
                  "parallel", "progress", "projection", "ranges", "reference", "rope", "sampling", "speculation",
                  "split_attention", "steps", "verify")
 }
