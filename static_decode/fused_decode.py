@@ -58,7 +58,12 @@ def layer_weights(block: Block) -> list[torch.Tensor]:
 
 
 class FusedLayers:
-    """Layers start..stop-1 of `model` as one kernel call for one-token, one-row steps."""
+    """Layers start..stop-1 of `model` as one kernel call for one-token, one-row steps.
+
+    It holds the parameter tensors the blocks had when it was built (as a compiled region holds its graph): weights
+    loaded in place (`load_state_dict` without `assign`) are seen; parameters replaced by new tensors are not, so
+    build a new Generator after replacing them. Under torch.profiler each layer is a `static_decode::decode_layer`
+    range inside the `decode_layers` op."""
 
     def __init__(self, model: Llama, start: int, stop: int) -> None:
         if not cpu_kernel.available():

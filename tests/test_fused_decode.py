@@ -179,6 +179,10 @@ def test_compiled_batch1_generator_decodes_through_the_kernel_with_eager_tokens(
         gen.generate(PROMPTS[0], 4, stop_at_eos=False)
     events = list(prof.events())
     assert any("decode_layers" in e.name and any(list(s) == whole for s in e.input_shapes) for e in events)
+    # Each layer is a profiler range of its own inside the opaque op: 3 decode steps (the first token comes from
+    # the prefill's hidden state) x 4 layers.
+    calls = sum(1 for e in events if "decode_layers" in e.name)
+    assert calls == 3 and sum(1 for e in events if e.name == "static_decode::decode_layer") == 4 * calls
     copies = [e.name for e in events if e.name.startswith("aten::") and any(list(s) == whole for s in e.input_shapes)]
     assert not [n for n in copies if n in ("aten::copy_", "aten::clone", "aten::index_put", "aten::empty_like")]
     gen.runner.close()
