@@ -11,9 +11,10 @@
 //
 // The same math as the unfused eager layer, rounded where it rounds: each product's float32 sum rounded to the
 // model's dtype, the norm's float32 result rounded before its weight, the rotary embedding's products and sums, the
-// residual sums; SwiGLU's silu(gate) * up in float32 from the rounded products, rounded once (gemv_bf16_glu's). A
-// bfloat16 model's layers come out bit-identical to eager's; float32 ones differ by the products' summation order
-// (MKL's against ours), ~1e-7 relative.
+// residual sums; SwiGLU's silu(gate) * up in float32 from the rounded products with at::vec's exp, rounded once
+// (gemv_bf16_glu's). A bfloat16 model's layers come out as eager's, bit for bit in the tests (only the norm's sum
+// of squares runs in another order than torch's mean, which can move a value by its last bit); float32 ones differ
+// by the products' summation order (MKL's against ours), ~1e-7 relative.
 #include <torch/extension.h>
 
 #include "kernels.h"
@@ -153,7 +154,7 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
 
   std::vector<float> xs(D), qkv(Nq + 2 * Nkv), o(D), gu(2 * inner);
-  std::vector<S> h(std::max(D, inner)), row(Nq);
+  std::vector<S> h(std::max(D, inner));
   const S* xin = x.data_ptr<S>();
   for (int64_t i = 0; i < D; ++i) xs[i] = static_cast<float>(xin[i]);
   auto q = at::empty({1, Hkv, G, d}, x.options());  // the queries in the model's dtype, as the unfused layer has them
@@ -188,9 +189,13 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     for (int64_t i = 0; i < D; ++i) xs[i] = rnd<S>(xs[i] + rnd<S>(o[i]));
     rms_norm<S>(xs.data(), ptr(kPostNorm), D, eps, h.data());
     products<S>(h.data(), D, {{ptr(kGate), inner, gu.data()}, {ptr(kUp), inner, gu.data() + inner}});
-    for (int64_t i = 0; i < inner; ++i) {  // silu(gate) * up from the rounded products, rounded once
-      const float g = rnd<S>(gu[i]), u = rnd<S>(gu[inner + i]);
-      h[i] = static_cast<S>(g / (1.f + std::exp(-g)) * u);
+    for (float& f : gu) f = rnd<S>(f);
+    for (int64_t i = 0; i < inner; i += Vec::size()) {  // silu(gate) * up, rounded once: gemv_bf16_glu's math
+      const int64_t c = std::min<int64_t>(Vec::size(), inner - i);
+      const Vec g = Vec::loadu(gu.data() + i, c), u = Vec::loadu(gu.data() + inner + i, c);
+      alignas(64) float t[Vec::size()];
+      (g / (Vec(1.f) + g.neg().exp()) * u).store(t);
+      for (int64_t j = 0; j < c; ++j) h[i + j] = static_cast<S>(t[j]);
     }
     products<S>(h.data(), inner, {{ptr(kDown), D, o.data()}});
     for (int64_t i = 0; i < D; ++i) xs[i] = rnd<S>(xs[i] + rnd<S>(o[i]));
