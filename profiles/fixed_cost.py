@@ -17,8 +17,9 @@ What it measures is the part of a step that the model's width does not change:
 - the host loop.
 
 The real model's step costs about this plus its weights' reading time (profiles/RESULTS.md, "Fifth session of
-2026-12-01": 2.8-4.0 ms at context 128 against a 12.6-16.7 ms SmolLM2 bf16 step). It is the figure a fused
-per-layer call would shrink.
+2026-12-01": 2.8-4.0 ms at context 128 against a 12.6-16.7 ms SmolLM2 bf16 step). The fused decode layers
+(static_decode.fused_decode, the CPU default since the sixth session) took it from 2.51 / 3.91 to 1.24-1.32 /
+2.17-2.50 ms at 128 / 1,024 (fixed_cost_smollm2_layout_s6.json).
 """
 
 from __future__ import annotations
