@@ -167,8 +167,9 @@ class LayerRegions:
         # and cache allow (static_decode.fused_decode); `fused_why` says why not otherwise.
         self.fused: fused_decode.FusedLayers | None = None
         self.fused_why = fused_decode.unsupported(model, cache) if settings.fused_decode else "fused_decode=False"
+        self._whole = (0, len(model.layers))
         if self.fused_why is None:
-            self.fused = fused_decode.FusedLayers(model, 0, len(model.layers))
+            self.fused = fused_decode.FusedLayers(model, *self._whole)
         _LIVE[self.handle] = self
 
     def __call__(
@@ -183,8 +184,7 @@ class LayerRegions:
         fresh: bool,
     ) -> Tensor:
         """Traced inside a step: one opaque op per span, or one for every layer where the fused kernel runs them."""
-        whole = self.fused is not None and x.shape[0] == 1 and x.shape[1] == 1
-        for start, stop in ((0, len(self.model.layers)),) if whole else self.spans:
+        for start, stop in (self._whole,) if self._fuses(x) else self.spans:
             x = torch.ops.static_decode.layer_region(
                 x, cos, sin, cache.k, cache.v, cache.lens, n_new, lens_after, read_len, start, stop, fresh,
                 self.handle,
@@ -208,7 +208,7 @@ class LayerRegions:
     ) -> Tensor:
         """The op's body at run time: the compiled region over this span's blocks and K/V views, or the fused
         kernel over every layer (the traced call chose it: a one-row, one-token step)."""
-        if self.fused is not None and (start, stop) == (0, len(self.model.layers)) and x.shape[:2] == (1, 1):
+        if (start, stop) == self._whole and self._fuses(x):
             return self.fused(x, cos, sin, k, v, lens, n_new, lens_after, read_len)
         n = dc.dynamic_int(int(read_len)) if self.symbolic else int(read_len)
         # The op is reached with or without the ADInplaceOrView key excluded (inductor calls it both ways), and
@@ -222,6 +222,11 @@ class LayerRegions:
         if before is not None:
             self.compiled += (dc.graphs() or 0) - before
         return out
+
+    def _fuses(self, x: Tensor) -> bool:
+        """Whether a step over x [B, T, D] runs the fused kernel: it is available and the step is one row, one slot
+        (shapes, so the traced call and the op's body decide alike)."""
+        return self.fused is not None and x.shape[0] == 1 and x.shape[1] == 1
 
     def graphs_compiled(self) -> int:
         """Region graphs compiled so far (StepRegistry's nested_graphs)."""

@@ -64,6 +64,12 @@ def filled_cache(model: Llama, length: int, max_len: int = 1200):
     return cache
 
 
+def cache_pair(model: Llama, cached: int):
+    """A cache holding `cached` tokens and an identical copy: one for the reference layers, one for the fused ones."""
+    ref_cache = filled_cache(model, cached)
+    return ref_cache, copy.deepcopy(ref_cache)
+
+
 CASES = [(37, 1, 48), (37, 1, 37 + 1), (600, 1, 1024), (37, 0, 48), (0, 1, 16)]  # (cached, n_new, read_len)
 
 
@@ -72,8 +78,7 @@ CASES = [(37, 1, 48), (37, 1, 37 + 1), (600, 1, 1024), (37, 0, 48), (0, 1, 16)] 
 @pytest.mark.parametrize(("cached", "n_new", "read_len"), CASES)
 def test_bfloat16_layers_are_eager_bit_for_bit(kv_dtype, cached, n_new, read_len) -> None:
     model = random_model(torch.bfloat16, kv_dtype)
-    ref_cache = filled_cache(model, cached)
-    cache = copy.deepcopy(ref_cache)
+    ref_cache, cache = cache_pair(model, cached)
     want = decode_layers(model, ref_cache, 17, n_new, read_len, fused=False)
     got = decode_layers(model, cache, 17, n_new, read_len, fused=True)
     assert torch.equal(got, want)
@@ -85,8 +90,7 @@ def test_bfloat16_layers_are_eager_bit_for_bit(kv_dtype, cached, n_new, read_len
 @pytest.mark.parametrize(("cached", "n_new", "read_len"), CASES)
 def test_float32_layers_match_an_independent_eager_step(kv_dtype, cached, n_new, read_len) -> None:
     model = random_model(torch.float32, kv_dtype)
-    ref_cache = filled_cache(model, cached)
-    cache = copy.deepcopy(ref_cache)
+    ref_cache, cache = cache_pair(model, cached)
     before_k = cache.k.clone()
     # The reference shares no kernel with the fused call where the formulations compute in float32 (a bfloat16
     # cache makes "matmul" compute in bfloat16: that reference takes the decode kernel, tested apart).
