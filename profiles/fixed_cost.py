@@ -16,10 +16,10 @@ What it measures is the part of a step that the model's width does not change:
 - the attention over the live keys;
 - the host loop.
 
-The real model's step costs about this plus its weights' reading time (profiles/RESULTS.md, "Fifth session of
-2026-12-01": 2.8-4.0 ms at context 128 against a 12.6-16.7 ms SmolLM2 bf16 step). The fused decode layers
-(static_decode.fused_decode, the CPU default since the sixth session) took it from 2.51 / 3.91 to 1.24-1.32 /
-2.17-2.50 ms at 128 / 1,024 (fixed_cost_smollm2_layout_s6.json).
+The real model's step costs about this plus its weights' reading time (profiles/RESULTS.md, "Fixed cost around
+the kernels": 2.8-4.0 ms at context 128 against a 12.6-16.7 ms SmolLM2 bf16 step). The fused decode layers
+(static_decode.fused_decode, on in the CPU default) took it from 2.51 / 3.91 to 1.24-1.32 / 2.17-2.50 ms at
+128 / 1,024 (profiles/results/2026-12-01-fixed-cost-smollm2-layout-fused-layers.json).
 """
 
 from __future__ import annotations

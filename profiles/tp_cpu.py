@@ -1,6 +1,6 @@
 """Tensor-parallel decode on this CPU: per-token latency and the all-reduce share, world sizes 1 and 2.
 
-    .venv/bin/python profiles/tp_cpu.py [--out profiles/tp_cpu.json]
+    .venv/bin/python profiles/tp_cpu.py [--out profiles/results/DATE-tp-cpu.json]
 
 For each model (the embedded default model, and a wider random one written to a temporary checkpoint so that
 weight traffic, not launch overhead, dominates a step) and each world size, `world` processes are spawned
@@ -153,7 +153,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed requests per case")
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--models", default="embedded,wide", help="comma-separated: embedded, wide")
-    ap.add_argument("--out", type=Path, default=ROOT / "profiles" / "tp_cpu.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "profiles" / "results" / f"{time.strftime('%Y-%m-%d')}-tp-cpu.json")
     args = ap.parse_args()
     from static_decode.commands.bench_run import machine
 
