@@ -6,7 +6,7 @@ with inductor's on-disk caches in DIR, in preference to whatever inductor cache 
 the AOTAutograd and FX graph cache entries and the compiled kernels there: dynamo still traces each step (it
 caches nothing across processes), but lowering and code generation, the C++ or Triton compiles, are skipped.
 
-What carries the compiled code, per device (chosen by measurement, see README "Compiled steps"):
+What carries the compiled code, per device (chosen by measurement, profiles/RESULTS.md, "Symbolic read length"):
 
 * CPU: the directory itself. `torch.compiler.save_cache_artifacts()` / `load_cache_artifacts()` alone do not carry
   the compiled C++ kernels there (measured on a small function: a fresh process that loaded the artifacts still

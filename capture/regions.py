@@ -29,8 +29,8 @@ decode, the first token) traces one op over every layer instead of one per span,
 static_decode.fused_decode's kernel (all the layers in one C++ call) instead of a compiled region, where
 `fused_decode.unsupported` finds nothing against the model and cache (`fused_why` says what did). No region is then
 compiled for T = 1; prefill chunks and batches keep the compiled regions. Measured on SmolLM2-135M in one process:
--1.5 / -2.6 ms a bf16 token at context 128 / 1,024, -5.6 / -4.0 ms a float32 one (profiles/RESULTS.md, "Sixth
-session of 2026-12-01").
+-1.5 / -2.6 ms a bf16 token at context 128 / 1,024, -5.6 / -4.0 ms a float32 one (profiles/RESULTS.md, "Fused
+decode layers").
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _region(
 
 # The op is defined with torch.library's low-level API, not `torch.library.custom_op`: custom_op's Python wrappers
 # (argument defaults, an autograd function, version-counter bumps, output alias checks) cost ~150 us per call on
-# the 2-vCPU machine (161 against 14 us for the same body; profiles/RESULTS.md, "Fifth session of 2026-12-01"), and a
+# the 2-vCPU machine (161 against 14 us for the same body; profiles/RESULTS.md, "Fixed cost around the kernels"), and a
 # decode step calls the op once per span. Nothing here needs them: steps run without autograd, and the fake below
 # is what tracing needs. The schema declares the mutation of K and V (`(a!)`, `(b!)`), which is what inductor
 # functionalises and then reinplaces on the cache buffers.

@@ -12,10 +12,11 @@ length. Symbolic (True), the read length is a symbol in the generated code (torc
 `capture._dynamo_counters.dynamic_int`): one compile per kind covers every rung, and under reduce-overhead
 cudagraph trees still record one CUDA graph per rung from that code (a CUDA graph has fixed shapes).
 
-* CPU default: symbolic. Measured on the embedded model at max_len 2048 (README "Compiled steps"): capture
-  compiles 5 graphs instead of 17 (152 s instead of 631 s cold on the 2-vCPU machine), and a token costs 1-5% more
-  (20-45 us per step: inductor's C++-wrapper entry turns the symbolic int into a tensor at every call; the
-  generated code itself runs as fast). Set False for those few percent when compile time does not matter.
+* CPU default: symbolic. Measured on the embedded model at max_len 2048 (profiles/RESULTS.md, "Symbolic read
+  length"): capture compiles 5 graphs instead of 17 (152 s instead of 631 s cold on the 2-vCPU machine), and a
+  token costs 1-5% more (20-45 us per step: inductor's C++-wrapper entry turns the symbolic int into a tensor at
+  every call; the generated code itself runs as fast). Set False for those few percent when compile time does not
+  matter.
 * CUDA default: static, until measured on a GPU (profiles/gpu_check.py: capture seconds, graphs per kind, graph
   pool MiB and ms/token at 1k/8k/32k, static against `symbolic_read_len=True`). Symbolic sizes change what
   inductor generates for the Triton kernels (no size-specialised tiling, index arithmetic on a symbol), which is
@@ -60,7 +61,7 @@ CPU_OPTIONS: Mapping[str, Any] = {"cpp_wrapper": True}
 CPU_LAYER_REGIONS = 2
 # With them, batch-1 one-token steps run every layer in one C++ call (static_decode.fused_decode) instead of the
 # compiled spans: SmolLM2-135M bf16 -1.5 / -2.6 ms a token at context 128 / 1,024, float32 -5.6 / -4.0 ms, in one
-# process (profiles/RESULTS.md, "Sixth session of 2026-12-01"); CPU default.
+# process (profiles/RESULTS.md, "Fused decode layers"); CPU default.
 
 # Graphs a compiled step may hold beyond its own read buckets before dynamo's recompile limit stops it. Extra
 # graphs are not expected (the guards count recompiles and the tests pin them at zero); the margin keeps one

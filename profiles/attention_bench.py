@@ -1,4 +1,4 @@
-"""Decode attention alone against this machine's read bandwidth (issue 2 item 3, issue 5 item 2).
+"""Decode attention alone against this machine's read bandwidth.
 
     python profiles/attention_bench.py                       # decode, every impl, 1k..32k, float32
     python profiles/attention_bench.py --chunk 512 --cached 4096 --impls matmul

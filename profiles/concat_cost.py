@@ -12,7 +12,7 @@ One Llama-3.1-8B layer's KV shape (Hkv 8, d 128, B 1) for `--steps` decode steps
 * preallocated: StaticKVCache(1, 8, steps, 128).write + advance (the device half of a step, no host work), and
   the checked `append` (host validation + write + advance). Each writes one token's K and V in place.
 
-The README's arithmetic, for comparison: Llama 3.1 8B holds 2 (K, V) x 32 layers x 8 KV heads x 128 x 2 B
+docs/architecture.md's arithmetic, for comparison: Llama 3.1 8B holds 2 (K, V) x 32 layers x 8 KV heads x 128 x 2 B
 (bf16) = 131,072 B of KV per token; concatenating for 4,096 tokens copies sum_{i=1..4096} i x 131,072 B
 = 1.1e12 B (~1 TiB) across the 32 layers, 1/32 of that (~32 GiB) for the one layer measured here.
 """
@@ -157,7 +157,8 @@ def main() -> None:
             f"{row['seconds'] / base:8.2f}x write+advance   {1e6 * row['seconds'] / args.steps:9.1f} us/step"
         )
     print(
-        f"  README: {ra['kv_bytes_per_token_32_layers']:,} B of KV per token for 32 layers; concat copies "
+        f"  docs/architecture.md: {ra['kv_bytes_per_token_32_layers']:,} B of KV per token for 32 layers; concat "
+        f"copies "
         f"{ra['concat_bytes_32_layers']:,} B = {ra['concat_bytes_32_layers'] / 2**40:.3f} TiB for 32 layers "
         f"(x32 the one layer above); extrapolated concat time for 32 layers: "
         f"{32 * result['rows'][0]['seconds']:.0f} s"

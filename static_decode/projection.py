@@ -17,7 +17,7 @@ memory's rate (a plain sum: ~26), against 12-16 for the streamed form and 10-19 
 there, eager and compiled (profiles/RESULTS.md, "bf16 GEMV kernel"). `qkv` and `glu` take a layer's products that
 read the same row in one kernel call each (q/k/v; gate/up with the silu): each call of a decode step costs a
 dispatch and a fork/join of the threads, ~2 us here, and a SmolLM2 step made 211 of them (profiles/RESULTS.md,
-"Fourth session of 2026-12-01").
+"Fewer calls per layer").
 """
 
 from __future__ import annotations

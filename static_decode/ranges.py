@@ -7,7 +7,7 @@
     @ranges.range(ranges.SAMPLE)
     def sample(logits): ...
 
-The range names are the contract with profiles/README.md (nsys --capture-range=nvtx, ncu --nvtx-include): use
+The range names are the contract with docs/gpu.md (nsys --capture-range=nvtx, ncu --nvtx-include): use
 the constants and helpers below rather than spelling names inline. All ranges live in the NVTX domain
 `static-decode`, so an Nsight filter names them as `static-decode@decode/step` (ncu) or the domain in nsys.
 
@@ -38,7 +38,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 DOMAIN = "static-decode"
 AVAILABLE = _nvtx is not None
 
-# ---- the range names the library emits (profiles/README.md refers to these) --------------------------------
+# ---- the range names the library emits (docs/gpu.md refers to these) --------------------------------------
 PREFILL_CHUNK = "prefill/chunk"  # one chunk of chunked prefill (one step launch)
 DECODE_STEP = "decode/step"  # one decode step (one token per row)
 SAMPLE = "sample"  # sampling the next token from the logits

@@ -75,7 +75,7 @@ def _rank_main(rank: int, world: int, port: int, ckpt: Path, compile_mode: str |
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        tp = TensorParallel.current()  # what a script under torchrun does (README)
+        tp = TensorParallel.current()  # what a script under torchrun does (docs/guide.md)
         if tp != TensorParallel(rank=rank, world=world):
             raise AssertionError(f"TensorParallel.current() is {tp}, expected rank {rank} of {world}")
         torch.save(results(ckpt, tp, compile_mode), dest / f"rank{rank}.pt")

@@ -30,7 +30,7 @@ ONE_CALL = "sdpa_folded"  # attention rows written before "impl" was recorded ar
 SPEEDUP_TARGET = 3.0  # static-decode vs transformers, per token, at every context
 CLEARLY_BELOW = 1.2  # full-read / static-decode at max_len/16 counts as "clearly below" from here
 ATTENTION_SLACK = 1.25  # attention(bucket) / attention(max_len) within this factor of bucket / max_len
-LONG_CONTEXT_SLACK = 1.25  # ms(context) / ms(shortest) within this factor of the bytes ratio (issue 12)
+LONG_CONTEXT_SLACK = 1.25  # ms(context) / ms(shortest) within this factor of the bytes ratio
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
@@ -64,7 +64,7 @@ def _ms(doc: dict[str, Any], system: str, context: int) -> float | None:
 
 
 def targets(doc: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets as measured ratios (a target whose systems did not run is absent)."""
+    """The bench's checks as measured ratios (a check whose systems did not run is absent)."""
     out: dict[str, Any] = {}
     contexts, max_len = doc["bench"]["contexts"], doc["bench"]["max_len"]
     pairs = [(c, _ms(doc, "static-decode", c), _ms(doc, "transformers", c)) for c in contexts]

@@ -10,7 +10,7 @@
 // every thread. Partial results are combined by their running maxima and sums.
 // On AVX-512 the scores of 16 keys are reduced together (sum16), bfloat16 queries over a bfloat16 cache are scored
 // by AVX512-BF16 dot products straight from the cache's rows, and V's rows are widened in registers and accumulated
-// for a group of query rows at once (profiles/RESULTS.md, "Fourth session of 2026-12-01").
+// for a group of query rows at once (profiles/RESULTS.md, "Decode attention kernel").
 //
 // Masking (rule 3): row m = g*T + t is slot t of its row; it sees keys 0..lens[b] - n_new[b] + t, a prefix, and none
 // when t >= n_new[b] (a padded slot returns exact zeros). Keys past the longest visible prefix are never read.

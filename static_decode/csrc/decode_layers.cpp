@@ -5,9 +5,9 @@
 //
 // Why: the products of a batch-1 decode step already run at the memory's rate (gemv_bf16.cpp), but each of a
 // layer's ~15 kernels is a call from the step's compiled code, with its dispatch, allocation and glue, ~55 us a
-// layer on the 2-vCPU machine: ~1.7 ms of SmolLM2's ~12.6 ms bfloat16 step (profiles/RESULTS.md, "Fifth session of
-// 2026-12-01"). Here a layer is five parallel loops (q/k/v, attention, o, gate/up, down) and a few serial passes
-// over one row of the hidden width, with no allocation but the attention's.
+// layer on the 2-vCPU machine: ~1.7 ms of SmolLM2's ~12.6 ms bfloat16 step (profiles/RESULTS.md, "Fixed cost
+// around the kernels"). Here a layer is five parallel loops (q/k/v, attention, o, gate/up, down) and a few serial
+// passes over one row of the hidden width, with no allocation but the attention's.
 //
 // The same math as the unfused eager layer, rounded where it rounds: each product's float32 sum rounded to the
 // model's dtype, the norm's float32 result rounded before its weight, the rotary embedding's products and sums, the
