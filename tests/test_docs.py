@@ -1,0 +1,72 @@
+"""The documentation's links resolve: every relative link in README.md, docs/*.md and profiles/*.md names a file
+that exists, and a link to a heading (`file.md#anchor`) names a heading that file has (GitHub's anchor rules).
+README.md stays a front page: under 250 lines, and its test command is the one CI runs (.ci/run)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "profiles").glob("*.md")])
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")  # [text](target)
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def links(page: Path) -> list[str]:
+    """The link targets of a page, outside code blocks."""
+    return LINK.findall(FENCE.sub("", page.read_text()))
+
+
+def anchors(page: Path) -> set[str]:
+    """The heading anchors GitHub makes for a Markdown page: lower case, punctuation dropped, spaces to hyphens,
+    a repeated anchor numbered -1, -2, ..."""
+    seen: dict[str, int] = {}
+    out: set[str] = set()
+    for line in FENCE.sub("", page.read_text()).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).replace("`", "").lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_pages_found():
+    names = {p.relative_to(ROOT).as_posix() for p in PAGES}
+    assert {"README.md", "docs/guide.md", "docs/performance.md", "profiles/RESULTS.md"} <= names
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_resolve(page: Path):
+    broken = []
+    for target in links(page):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target} (no heading #{anchor} in {dest.relative_to(ROOT)})")
+    assert not broken, f"{page.relative_to(ROOT)}: broken links: {broken}"
+
+
+def test_anchor_rules():
+    page = ROOT / "docs" / "performance.md"
+    assert "gpu-one-h200-llama-31-8b-shape-2026-11-30" in anchors(page)
+
+
+def test_readme_is_a_front_page():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < 250, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+def test_readme_test_command_is_the_ci_one():
+    ci = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln.startswith("python3 -m venv")]
+    assert len(ci) == 1
+    assert ci[0] in (ROOT / "README.md").read_text()
