@@ -153,7 +153,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed requests per case")
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--models", default="embedded,wide", help="comma-separated: embedded, wide")
-    ap.add_argument("--out", type=Path, default=ROOT / "profiles" / "results" / f"{time.strftime('%Y-%m-%d')}-tp-cpu.json")
+    out = ROOT / "profiles" / "results" / f"{time.strftime('%Y-%m-%d')}-tp-cpu.json"
+    ap.add_argument("--out", type=Path, default=out)
     args = ap.parse_args()
     from static_decode.commands.bench_run import machine
 
