@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from static_decode import rope
 from static_decode.model import Llama
@@ -76,9 +77,11 @@ class ConcatDecoder:
     def _attention(self, i: int, attn, x: torch.Tensor, cos, sin, start: int) -> torch.Tensor:
         B, T, _ = x.shape
         hq, hkv, d = attn.heads, attn.kv_heads, attn.head_dim
-        q = attn.q_proj(x).view(B, T, hq, d).transpose(1, 2)  # [B, Hq, T, d]
-        k = attn.k_proj(x).view(B, T, hkv, d).transpose(1, 2)  # [B, Hkv, T, d]
-        v = attn.v_proj(x).view(B, T, hkv, d).transpose(1, 2)  # [B, Hkv, T, d]
+        wq, wk, wv = attn.qkv_weights()  # the checkpoint's three matrices (views where the model joined them)
+        bq, bk, bv = attn.qkv_biases()
+        q = F.linear(x, wq, bq).view(B, T, hq, d).transpose(1, 2)  # [B, Hq, T, d]
+        k = F.linear(x, wk, bk).view(B, T, hkv, d).transpose(1, 2)  # [B, Hkv, T, d]
+        v = F.linear(x, wv, bv).view(B, T, hkv, d).transpose(1, 2)  # [B, Hkv, T, d]
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         # The naive cache: a fresh allocation holding the old cache plus the chunk, every step.
         self.k[i] = k if self.k[i] is None else torch.cat([self.k[i], k], dim=2)  # [B, Hkv, L, d]

@@ -53,7 +53,7 @@ def write_checkpoint(config: LlamaConfig, path: Path) -> Path:
 
     torch.manual_seed(0)
     model = Llama(config)
-    save_file({hf_name(n): p.detach().contiguous() for n, p in model.named_parameters()},
+    save_file({hf_name(n): p.detach().contiguous() for n, p in model.state_dict().items()},  # checkpoint names
               str(path / "model.safetensors"))
     c = config
     (path / "config.json").write_text(json.dumps({

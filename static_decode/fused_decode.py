@@ -49,11 +49,13 @@ def unsupported(model: Llama, cache: StaticKVCache) -> str | None:
 
 
 def layer_weights(block: Block) -> list[torch.Tensor]:
-    """The nine tensors of a block in the kernel's order (csrc/decode_layers.cpp, kPerLayer)."""
+    """The nine tensors of a block in the kernel's order (csrc/decode_layers.cpp, kPerLayer); q/k/v and gate/up
+    are row blocks (contiguous views) of the joined weights where the model joined them."""
     a, m = block.self_attn, block.mlp
+    (wq, wk, wv), (gate, up) = a.qkv_weights(), m.glu_weights()
     return [
-        block.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
-        block.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
+        block.input_layernorm.weight, wq, wk, wv, a.o_proj.weight,
+        block.post_attention_layernorm.weight, gate, up, m.down_proj.weight,
     ]
 
 

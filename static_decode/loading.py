@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from static_decode.config import LlamaConfig, eos_ids
-from static_decode.model import Llama, hf_name
+from static_decode.model import Llama, hf_name, join_projections
 from static_decode.parallel import SINGLE, TensorParallel, shard_dim
 
 SINGLE_FILE = "model.safetensors"
@@ -126,13 +126,15 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
     tp: TensorParallel = SINGLE,
+    fused_projections: bool = True,
 ) -> Llama:
     """Load a Llama-family checkpoint written by transformers' save_pretrained.
 
     dtype defaults to the checkpoint's (that of its embedding); device defaults to the CPU. EOS ids land in
     `model.config.eos_token_ids`. With `tp`, the model is this rank's shard (see static_decode.parallel) and
-    only its slices are read. Raises, naming the key, on an unsupported architecture or rope type, a
-    missing, unexpected or mis-shaped tensor, or a tensor-parallel world size that does not fit the model.
+    only its slices are read. `fused_projections`: q/k/v and gate/up joined into one weight each (Llama's
+    default; see static_decode.model.join_projections). Raises, naming the key, on an unsupported architecture or
+    rope type, a missing, unexpected or mis-shaped tensor, or a tensor-parallel world size that does not fit the model.
     """
     root = Path(path)
     if not root.is_dir():
@@ -145,7 +147,8 @@ def load_model(
     dtype = parse_dtype(dtype)
     device = torch.device(device if device is not None else "cpu")
 
-    meta = Llama(config, dtype=torch.float32, device="meta")  # whole-model shapes: what the files must hold
+    # Whole-model shapes in the checkpoint's layout (q/k/v and gate/up apart): what the files must hold.
+    meta = Llama(config, dtype=torch.float32, device="meta", fused_projections=False)
     wanted = {hf_name(name): tuple(p.shape) for name, p in meta.named_parameters()}
     split = {hf_name(name): shard_dim(name) for name, _ in meta.named_parameters()}
     missing = [k for k in wanted if k not in files]
@@ -187,8 +190,10 @@ def load_model(
         with _open(file) as f:
             for key in keys:
                 tensors[key] = _read(f, key, split[key], wanted[key], tp).to(device=device, dtype=dtype)
-    model = Llama(config, dtype=dtype, device="meta", tp=tp)
-    state = {name: tensors[hf_name(name)] for name, _ in model.named_parameters()}
+    model = Llama(config, dtype=dtype, device="meta", tp=tp, fused_projections=fused_projections)
+    state = {name: tensors.pop(hf_name(name)) for name, _ in meta.named_parameters()}
+    # q/k/v and gate/up joined here, once, each layer's parts freed as it goes; under tp from this rank's slices.
+    join_projections(model, state)
     model.load_state_dict(state, strict=True, assign=True)
     model.reset_rope()
     return model.eval().requires_grad_(False)

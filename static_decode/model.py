@@ -66,6 +66,64 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+# ---- joined projections ---------------------------------------------------------------------------------------
+# A one-row decode step multiplies one row by each weight: a GEMV bound by reading it, plus a fixed cost per call
+# (a dispatch; on CUDA a kernel launch and a tail where few blocks are left). q, k and v read the same row, as do
+# gate and up, so each group is one nn.Linear whose weight is the checkpoint's matrices stacked by rows, joined
+# once at load: 4 products a layer instead of 7. The checkpoint keeps its own names: `state_dict()` gives the parts
+# (row-block views of the joined weight) and `load_state_dict` takes them and joins them (`join_projections`).
+# Under tensor parallelism a rank's joined weight stacks its own q, k and v slices (its heads), which is not a
+# slice of the whole joined matrix: loading reads the parts' slices and joins those. The joined weight is a plain
+# nn.Linear's, so anything that rewrites linears (quantisation) treats it as one.
+Joined = dict[str, tuple[tuple[str, ...], tuple[int, ...]]]  # joined linear -> (parts in row order, their rows)
+
+
+def _checkpoint_layout(module: nn.Module, joined: Joined) -> None:
+    """Make `module`'s state dict speak the checkpoint's names: its joined linears split into their parts on
+    `state_dict()`, the parts joined on `load_state_dict()`."""
+    module.joined = joined
+    module.register_state_dict_post_hook(_split_state)
+    module.register_load_state_dict_pre_hook(_join_state)
+
+
+def _split_state(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    for name, (parts, rows) in module.joined.items():
+        for suffix in (".weight", ".bias"):
+            whole = state.pop(prefix + name + suffix, None)
+            if whole is None:
+                continue
+            for part, piece in zip(parts, whole.split(rows), strict=True):  # row blocks: views, no copy
+                state[prefix + part + suffix] = piece
+
+
+def _join(state: dict, prefix: str, joined: Joined) -> list[str]:
+    """Join the parts found in `state`; return the parts missing where only some were found."""
+    missing = []
+    for name, (parts, _) in joined.items():
+        for suffix in (".weight", ".bias"):
+            keys = [prefix + part + suffix for part in parts]
+            if all(k in state for k in keys):
+                state[prefix + name + suffix] = torch.cat([state.pop(k) for k in keys])  # [sum(rows), ...]
+            elif any(k in state for k in keys):
+                missing += [k for k in keys if k not in state]
+    return missing
+
+
+def _join_state(
+    module: nn.Module, state: dict, prefix: str, local_metadata: dict, strict: bool, missing_keys: list, *_: object
+) -> None:
+    missing_keys += _join(state, prefix, module.joined)  # named by the checkpoint's keys in the error
+
+
+def join_projections(model: nn.Module, state: dict) -> None:
+    """Join, in place, the checkpoint-named parts in `state` (a state dict of `model`'s, by our parameter names)
+    into `model`'s joined projections, popping each layer's parts as it goes (loading: at most one layer's joined
+    weights exist twice at once)."""
+    for name, module in model.named_modules():
+        if getattr(module, "joined", None):
+            _join(state, f"{name}." if name else "", module.joined)
+
+
 def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """A row-parallel projection: this rank's partial product, summed over the ranks, then the bias (once)."""
     if not tp.enabled:
@@ -75,24 +133,51 @@ def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torc
 
 
 class Attention(nn.Module):
-    """Rotary GQA self-attention whose K/V live in the static cache (this rank's heads under `tp`)."""
+    """Rotary GQA self-attention whose K/V live in the static cache (this rank's heads under `tp`); `fused`: q, k
+    and v are one `qkv_proj` (see `join_projections`)."""
 
     def __init__(
-        self, cfg: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str | None, tp: TensorParallel
+        self,
+        cfg: LlamaConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+        tp: TensorParallel,
+        fused: bool = True,
     ) -> None:
         super().__init__()
         # Local heads: whole GQA groups per rank (tp.check refused a world size that would split one).
         d, hq, hkv = cfg.head_dim, cfg.num_heads // tp.world, cfg.num_kv_heads // tp.world
         kw = {"dtype": dtype, "device": device}
-        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=cfg.qkv_bias, **kw)  # column-parallel
-        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias, **kw)  # column-parallel
-        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias, **kw)  # column-parallel
+        self.sizes = (hq * d, hkv * d, hkv * d)  # rows of q, k and v in the joined weight
+        self.fused = fused
+        if fused:  # column-parallel: this rank's q, k and v rows, one after the other (see `join_projections`)
+            self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.qkv_bias, **kw)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=cfg.qkv_bias, **kw)  # column-parallel
+            self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias, **kw)  # column-parallel
+            self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias, **kw)  # column-parallel
         self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.o_bias, **kw)  # row-parallel
         # Qwen3: one [d] weight shared by every head, so under tp each rank keeps the whole (replicated) weight
         # for the heads it owns; None otherwise (a Python-level branch: each compiled step sees one path).
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
         self.heads, self.kv_heads, self.head_dim, self.tp = hq, hkv, d, tp
+        if fused:
+            _checkpoint_layout(self, {"qkv_proj": (("q_proj", "k_proj", "v_proj"), self.sizes)})
+
+    def qkv_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The q, k and v weights [rows, D]: row blocks (views) of the joined weight when fused."""
+        if self.fused:
+            return tuple(self.qkv_proj.weight.split(self.sizes))  # type: ignore[return-value]
+        return self.q_proj.weight, self.k_proj.weight, self.v_proj.weight
+
+    def qkv_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The q, k and v biases (None without them), as `qkv_weights`."""
+        if self.fused:
+            bias = self.qkv_proj.bias
+            return (None, None, None) if bias is None else tuple(bias.split(self.sizes))  # type: ignore[return-value]
+        return self.q_proj.bias, self.k_proj.bias, self.v_proj.bias
 
     def forward(
         self,
@@ -108,10 +193,13 @@ class Attention(nn.Module):
         mask: StepMask | None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = projection.qkv(
-            x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
-            self.q_proj.bias, self.k_proj.bias, self.v_proj.bias,
-        )  # [B, T, Hq * d], [B, T, Hkv * d] twice: one kernel call for a decode row where that applies
+        if self.fused:  # one product by the joined weight, split into views
+            q, k, v = projection.joined(x, self.qkv_proj.weight, self.qkv_proj.bias, self.sizes)
+        else:
+            q, k, v = projection.qkv(
+                x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                self.q_proj.bias, self.k_proj.bias, self.v_proj.bias,
+            )  # [B, T, Hq * d], [B, T, Hkv * d] twice: one kernel call for a decode row where that applies
         q = q.view(B, T, self.heads, self.head_dim)  # [B, T, Hq, d]
         k = k.view(B, T, self.kv_heads, self.head_dim)  # [B, T, Hkv, d]
         if self.q_norm is not None and self.k_norm is not None:
@@ -129,22 +217,44 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)) (this rank's slice of the inner width under `tp`)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)) (this rank's slice of the inner width under `tp`); `fused`: gate and
+    up are one `gate_up_proj` (see `join_projections`)."""
 
     def __init__(
-        self, cfg: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str | None, tp: TensorParallel
+        self,
+        cfg: LlamaConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+        tp: TensorParallel,
+        fused: bool = True,
     ) -> None:
         super().__init__()
         kw = {"bias": cfg.mlp_bias, "dtype": dtype, "device": device}
         inner = cfg.intermediate_size // tp.world
-        self.gate_proj = nn.Linear(cfg.hidden_size, inner, **kw)  # column-parallel
-        self.up_proj = nn.Linear(cfg.hidden_size, inner, **kw)  # column-parallel
+        self.fused, self.inner = fused, inner
+        if fused:  # column-parallel: this rank's gate rows, then its up rows (see `join_projections`)
+            self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inner, **kw)
+        else:
+            self.gate_proj = nn.Linear(cfg.hidden_size, inner, **kw)  # column-parallel
+            self.up_proj = nn.Linear(cfg.hidden_size, inner, **kw)  # column-parallel
         self.down_proj = nn.Linear(inner, cfg.hidden_size, **kw)  # row-parallel
         self.tp = tp
+        if fused:
+            _checkpoint_layout(self, {"gate_up_proj": (("gate_proj", "up_proj"), (inner, inner))})
+
+    def glu_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate and up weights [inner, D]: row blocks (views) of the joined weight when fused."""
+        if self.fused:
+            return tuple(self.gate_up_proj.weight.split(self.inner))  # type: ignore[return-value]
+        return self.gate_proj.weight, self.up_proj.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.gate_proj, self.up_proj
-        h = projection.glu(x, g.weight, u.weight, g.bias, u.bias)  # [B, T, inner]: silu(gate(x)) * up(x)
+        if self.fused:
+            h = projection.glu_joined(x, self.gate_up_proj.weight, self.gate_up_proj.bias)  # [B, T, inner]
+        else:
+            g, u = self.gate_proj, self.up_proj
+            h = projection.glu(x, g.weight, u.weight, g.bias, u.bias)  # [B, T, inner]: silu(gate(x)) * up(x)
         return row_parallel(self.down_proj, h, self.tp)
 
 
@@ -152,13 +262,19 @@ class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
 
     def __init__(
-        self, cfg: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str | None, tp: TensorParallel
+        self,
+        cfg: LlamaConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+        tp: TensorParallel,
+        fused: bool = True,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = Attention(cfg, dtype=dtype, device=device, tp=tp)
+        self.self_attn = Attention(cfg, dtype=dtype, device=device, tp=tp, fused=fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = MLP(cfg, dtype=dtype, device=device, tp=tp)
+        self.mlp = MLP(cfg, dtype=dtype, device=device, tp=tp, fused=fused)
 
 
 def step_attention(
@@ -237,6 +353,8 @@ class Llama(nn.Module):
     cache); K/V are rounded once when written, the CPU kernel widens them back to float32 math, the SDPA
     formulations compute in the cache's dtype. `tp` makes this the rank's shard of a tensor-parallel model
     (static_decode.parallel); a world size that does not divide the KV heads (or the MLP width) is refused here.
+    `fused_projections` (default): q/k/v and gate/up are one product each over weights joined by rows (see
+    `join_projections`); the state dict keeps the checkpoint's names either way.
     """
 
     inv_freq: torch.Tensor
@@ -252,8 +370,11 @@ class Llama(nn.Module):
         attn_impl: str = DEFAULT_IMPL,
         kv_dtype: torch.dtype | None = None,
         tp: TensorParallel = SINGLE,
+        fused_projections: bool = True,
     ) -> None:
         super().__init__()
+        if not isinstance(fused_projections, bool):
+            raise TypeError(f"fused_projections must be a bool, got {fused_projections!r}")
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -267,7 +388,10 @@ class Llama(nn.Module):
         self.kv_dtype = kv_dtype
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)  # replicated
-        self.layers = nn.ModuleList(Block(config, **kw, tp=tp) for _ in range(config.num_layers))
+        self.fused_projections = fused_projections
+        self.layers = nn.ModuleList(
+            Block(config, **kw, tp=tp, fused=fused_projections) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.lm_head = (
             None

@@ -17,6 +17,11 @@ Layout over `world` ranks (rank r holds the r-th contiguous slice):
   token from its own device buffer. A vocab-split head (an all-gather of [B, V] logits, or a distributed
   argmax) is the way to save that memory when it matters.
 
+Joined projections (static_decode.model.join_projections): a rank's `qkv_proj` weight is its q slice, then its k
+slice, then its v slice, stacked ([(Hq + 2 Hkv) / world * d, D]), and its `gate_up_proj` its gate slice then its up
+slice. That is not a contiguous slice of the whole model's joined matrix (which stacks all of q before any k), so
+a rank never slices a joined weight: it reads the checkpoint's parts by their own slices and joins them.
+
 KV heads are split so that each rank keeps whole GQA groups: rank r holds KV heads [r*Hkv/W, (r+1)*Hkv/W) and
 query heads [r*Hq/W, (r+1)*Hq/W), and query head h = kv*G + g sits on the rank of KV head h // G. Each rank's
 `StaticKVCache` holds only its KV heads, so cache memory per rank is total / world.
@@ -39,15 +44,18 @@ from static_decode.config import LlamaConfig
 COLUMN_PARALLEL = (
     "q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
     "gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias",
+    # Joined (see the module doc): dim 0 holds world slices' worth of rows, but never a slice of the joined matrix.
+    "qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight", "gate_up_proj.bias",
 )  # fmt: skip
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
 
 
 def shard_dim(name: str) -> int | None:
     """The dimension of parameter `name` split across ranks (0 or 1), or None when it is replicated."""
-    if name.endswith(COLUMN_PARALLEL):
+    last = ".".join(name.rsplit(".", 2)[-2:])  # "<linear>.<weight|bias>": "qkv_proj.weight" is not "v_proj.weight"
+    if last in COLUMN_PARALLEL:
         return 0
-    if name.endswith(ROW_PARALLEL):
+    if last in ROW_PARALLEL:
         return 1
     return None
 

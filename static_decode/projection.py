@@ -116,3 +116,23 @@ def glu(
     if not _fusable(x, (gate, up), (b_gate, b_up)):
         return F.silu(linear(x, gate, b_gate)) * linear(x, up, b_up)
     return cpu_kernel.gemv_bf16_glu(x, gate, up).view(*x.shape[:-1], gate.shape[0])  # [..., N]
+
+
+def joined(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: tuple[int, ...]
+) -> tuple[torch.Tensor, ...]:
+    """The products of x [..., K] by the weights stacked in `weight` [sum(rows), K] (q/k/v joined at load,
+    static_decode.model.join_projections): one `linear` (one kernel, one dispatch), split into views [..., rows[i]].
+    Each value is the one its part's own product gives: an output element is one weight row's dot product."""
+    return linear(x, weight, bias).split(rows, dim=-1)  # views of one [..., sum(rows)] product
+
+
+def glu_joined(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for gate and up stacked in `weight` [2 * inner, K] (joined at load): one
+    product; for one bfloat16 row on a CPU with AVX512-BF16, `glu`'s kernel over the two row blocks (views)."""
+    inner = weight.shape[0] // 2
+    if _fusable(x, (weight,), (bias,)):
+        gate, up = weight.split(inner)  # [inner, K] each: contiguous row blocks
+        return glu(x, gate, up)
+    gate, up = linear(x, weight, bias).split(inner, dim=-1)  # [..., inner] views of one product
+    return F.silu(gate) * up

@@ -78,7 +78,8 @@ def test_config_switches(variant):
     assert ours.config.architecture == hf.config.architectures[0]
     # Every transformers tensor has exactly our parameter (and a tied head is the embedding, not a copy).
     theirs = {k for k, _ in hf.named_parameters()}
-    assert {model_module.hf_name(k) for k, _ in ours.named_parameters()} == theirs
+    # state_dict(): the checkpoint's names (our q/k/v and gate/up are joined parameters, split back there).
+    assert {model_module.hf_name(k) for k in ours.state_dict()} == theirs
     assert (ours.lm_head is None) == ours.config.tie_word_embeddings
 
 

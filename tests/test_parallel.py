@@ -128,6 +128,11 @@ def test_every_parameter_has_its_layout(cfg):
         return
     split = {n for n in full if shard_dim(n) is not None}
     assert {n.split(".", 2)[2] for n in split} == {
+        "self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight",
+    }  # fmt: skip
+    # The checkpoint's names (what loading slices): the parts the joined weights stack.
+    unfused = dict(Llama(cfg, device="meta", fused_projections=False).named_parameters())
+    assert {n.split(".", 2)[2] for n in unfused if shard_dim(n) is not None} == {
         "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
         "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
     }  # fmt: skip
@@ -177,13 +182,14 @@ def _recording_safe_open(monkeypatch):
 
 
 def test_loading_reads_only_the_rank_slice(ckpt, monkeypatch):
-    full = dict(load_model(ckpt).named_parameters())
+    # state_dict(): the checkpoint's names (q/k/v and gate/up as row blocks of the joined weights)
+    full = load_model(ckpt).state_dict()
     reads = _recording_safe_open(monkeypatch)
     shards = []
     for rank in range(2):
         reads.clear()
         model = load_model(ckpt, tp=TensorParallel(rank=rank, world=2))
-        shards.append(dict(model.named_parameters()))
+        shards.append(model.state_dict())
         data = [(k, how, n) for k, how, n in reads if n > 0 and how in ("whole", "slice")]
         for key, how, n in data:
             name = key.removeprefix("model.")
