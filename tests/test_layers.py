@@ -25,7 +25,8 @@ CORE = {
                  "parallel", "progress", "projection", "ranges", "reference", "rope", "sampling", "speculation",
                  "split_attention", "steps", "verify")
 }
-GENERATOR = {"static_decode", "static_decode.conversation", "static_decode.generator", "static_decode.request",
+GENERATOR = {"static_decode", "static_decode.conversation", "static_decode.generator", "static_decode.prefix_cache",
+             "static_decode.request",
              "static_decode.speculative_loop", "static_decode.stats"}
 LAYER_NAMES = ("core", "capture", "generator", "commands")
 

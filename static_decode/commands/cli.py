@@ -24,6 +24,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "static_decode.commands.chat",
     "static_decode.commands.capture_report",
     "static_decode.commands.bench",
+    "static_decode.commands.serve",
 )
 
 
