@@ -20,6 +20,7 @@ from static_decode import cpu_kernel
 from static_decode.attention import resolve_impl
 from static_decode.cache import StaticKVCache
 from static_decode.model import Block, Llama
+from static_decode.quant import scheme_of
 
 DTYPES = (torch.float32, torch.bfloat16)  # model dtypes the kernel takes (bfloat16 where AVX512-BF16 is)
 
@@ -32,6 +33,7 @@ def unsupported(model: Llama, cache: StaticKVCache) -> str | None:
     reasons = (
         (model.device.type != "cpu", f"the model is on {model.device}, the kernel is the CPU's"),
         (model.tp.enabled, "a tensor-parallel model (its all-reduces stay in the step graph)"),
+        (scheme_of(model) is not None, f"{getattr(scheme_of(model), 'name', '')} weights (the kernel reads floats)"),
         (cache.batch != 1, f"batch {cache.batch}: the kernel reads the weights once for one row"),
         (model.dtype not in DTYPES, f"model dtype {model.dtype}"),
         (model.dtype == torch.bfloat16 and not cpu_kernel.bf16_dot(), "bfloat16 weights need AVX512-BF16"),

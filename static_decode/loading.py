@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from static_decode.config import LlamaConfig, eos_ids
 from static_decode.model import Llama, hf_name, join_projections
 from static_decode.parallel import SINGLE, TensorParallel, shard_dim
+from static_decode.quant import Scheme, parse, quantize_model
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -127,14 +128,17 @@ def load_model(
     device: torch.device | str | None = None,
     tp: TensorParallel = SINGLE,
     fused_projections: bool = True,
+    quantize: str | Scheme | None = None,
 ) -> Llama:
     """Load a Llama-family checkpoint written by transformers' save_pretrained.
 
     dtype defaults to the checkpoint's (that of its embedding); device defaults to the CPU. EOS ids land in
     `model.config.eos_token_ids`. With `tp`, the model is this rank's shard (see static_decode.parallel) and
     only its slices are read. `fused_projections`: q/k/v and gate/up joined into one weight each (Llama's
-    default; see static_decode.model.join_projections). Raises, naming the key, on an unsupported architecture or
-    rope type, a missing, unexpected or mis-shaped tensor, or a tensor-parallel world size that does not fit the model.
+    default; see static_decode.model.join_projections). `quantize` ("int8", "int4", "int4-g64", ...): every
+    projection and the LM head weight-only quantized once loaded (static_decode.quant). Raises, naming the key,
+    on an unsupported architecture or rope type, a missing, unexpected or mis-shaped tensor, or a tensor-parallel
+    world size that does not fit the model.
     """
     root = Path(path)
     if not root.is_dir():
@@ -145,6 +149,7 @@ def load_model(
     tp.check(config)  # before any tensor is read
     files = weight_files(root)
     dtype = parse_dtype(dtype)
+    scheme = parse(quantize)  # a bad name refused before any tensor is read
     device = torch.device(device if device is not None else "cpu")
 
     # Whole-model shapes in the checkpoint's layout (q/k/v and gate/up apart): what the files must hold.
@@ -196,6 +201,8 @@ def load_model(
     join_projections(model, state)
     model.load_state_dict(state, strict=True, assign=True)
     model.reset_rope()
+    if scheme is not None:  # after slicing: a rank quantizes its own slices (static_decode.quant)
+        quantize_model(model, scheme)
     return model.eval().requires_grad_(False)
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from static_decode import cpu_kernel
+from static_decode.quant import QuantWeight
 
 STREAMED_DTYPES = (torch.bfloat16, torch.float16)  # CPU dtypes whose one-row product streams faster than F.linear
 
@@ -59,6 +60,9 @@ def materialized(v: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, x [..., K], weight [N, K]; for a single row, our bfloat16 GEMV kernel or the
     streamed form where those are faster."""
+    if isinstance(weight, QuantWeight):  # int8 / int4 weight-only (static_decode.quant): torch's kernels, any rows
+        out = weight.matmul(x)  # [..., N]
+        return out if bias is None else out + bias
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
     if rows == 1 and cpu_kernel.gemv_ready(weight):  # eager and compiled alike: one op, no product materialised
@@ -79,7 +83,8 @@ def _fusable(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[t
     GEMV takes every weight."""
     K = x.shape[-1]
     return (
-        K > 0 and x.numel() == K and all(b is None for b in biases) and all(cpu_kernel.gemv_ready(w) for w in weights)
+        K > 0 and x.numel() == K and all(b is None for b in biases)
+        and all(isinstance(w, torch.Tensor) and cpu_kernel.gemv_ready(w) for w in weights)
     )
 
 

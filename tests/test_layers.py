@@ -21,7 +21,7 @@ PACKAGES = ("static_decode", "capture")
 CORE = {
     f"static_decode.{name}"
     for name in ("attention", "cache", "chat_template", "checks", "config", "cpu_kernel", "exports", "fused_decode",
-                 "loading", "memory", "model",
+                 "loading", "memory", "model", "quant",
                  "parallel", "progress", "projection", "ranges", "reference", "rope", "sampling", "speculation",
                  "split_attention", "steps", "verify")
 }
