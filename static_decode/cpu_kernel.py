@@ -13,28 +13,46 @@ prefetched rows reads at 25-27, the memory's rate. Both are registered under `to
 shape-only Meta kernels, so a compiled step calls them like aten ops, with no graph break.
 
 Built with torch.utils.cpp_extension (the compiler inductor already needs on the CPU) for the vector ISA torch
-itself dispatches to here (`torch.backends.cpu.get_cpu_capability()`), into torch's extension cache
-($TORCH_EXTENSIONS_DIR): ~25 s once per machine and source version, then a load. Without a compiler, or with
+itself dispatches to here (`torch.backends.cpu.get_cpu_capability()`), once per machine, torch and Python version
+and source version, into a directory of its own under torch's extension cache ($TORCH_EXTENSIONS_DIR; see
+`build_directory`): environments with different torch or Python versions never rebuild each other's. The build says
+so on stderr while it runs (a few minutes: BUILD_SECONDS); later processes only load it. A build killed part-way
+leaves nothing that blocks the next one: builds take a lock of our own (an flock, released when its process dies),
+and under it a lock file torch's builder left behind is stale and removed. Without a compiler, or with
 STATIC_DECODE_CPU_KERNEL=0, `available()` is False and attention and the projections take the formulations
 without them.
+
+The ops check every argument before they read or write anything (csrc/checks.h): a bad call from Python raises a
+RuntimeError naming the value, and the cache is left as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
+import re
+import sys
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("decode_attention.cpp", "gemv_bf16.cpp", "decode_layers.cpp")]
-HEADERS = [CSRC / "kernels.h"]  # hashed into the build flags: torch's extension cache hashes only the sources
+HEADERS = [CSRC / "kernels.h", CSRC / "checks.h"]  # hashed into the build flags: torch hashes only the sources
 ENV = "STATIC_DECODE_CPU_KERNEL"  # "0": never build or use the kernels
+WAIT_ENV = "STATIC_DECODE_BUILD_WAIT"  # seconds to wait for another process's build (default BUILD_WAIT)
+BUILD_WAIT = 1800.0
+BUILD_SECONDS = 220  # one build of these sources, measured on the 2-vCPU machine with other processes busy (load ~8)
 MAX_ROWS = 64  # query rows per KV head the kernel takes (kMaxRows)
-MAX_HEAD_DIM = 256
+# The head sizes the attention has code for (csrc/checks.h, kHeadDims), where they are whole float vectors of the
+# ISA: `head_dims`. Other sizes take another formulation (supports() is False for them).
+HEAD_DIMS = (8, 16, 32, 48, 64, 80, 96, 128, 256)
+MAX_HEAD_DIM = max(HEAD_DIMS)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # K/V; the queries may be any of them, math in float32
 
 # The flags inductor compiles its own CPU kernels with for each ISA (torch/_inductor/cpu_vec_isa.py), so the
@@ -66,6 +84,13 @@ def vector_floats() -> int:
     return _VEC_FLOATS.get(capability(), 8)
 
 
+def head_dims(cap: str | None = None) -> tuple[int, ...]:
+    """The head sizes the attention kernel built for ISA `cap` (default: this CPU's) computes: csrc/checks.h's list,
+    the multiples of the ISA's float vector."""
+    width = _VEC_FLOATS.get(cap or capability(), 8)
+    return tuple(d for d in HEAD_DIMS if d % width == 0)
+
+
 def bf16_dot() -> bool:
     """Whether this CPU has AVX512-BF16's dot-product instruction (what gemv_bf16 is built with)."""
     if "bf16" not in _facts:
@@ -76,9 +101,8 @@ def bf16_dot() -> bool:
 bf16_dot._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def _build() -> None:
-    from torch.utils.cpp_extension import load  # imported here: it pulls in setuptools
-
+def _flags() -> tuple[str, list[str]]:
+    """The extension's name and compiler flags for this CPU."""
     cap = capability()
     # -fopenmp: at::parallel_for is a header-inline `#pragma omp parallel` in torch's OpenMP build; without the
     # flag the pragma is dropped and the kernel runs on one thread (measured: 2x slower on 2 threads).
@@ -86,9 +110,78 @@ def _build() -> None:
     flags += ["-mavx512bf16"] if bf16_dot() else []  # gemv_bf16's instruction; without it the op refuses to run
     headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     flags += [f"-DSTATIC_DECODE_HEADERS={headers}"]  # a changed header is a new build, as a changed source is
-    load(name=f"static_decode_cpu_{cap.lower()}{'_bf16' if bf16_dot() else ''}", sources=[str(s) for s in SOURCES],
-         extra_cflags=flags,
-         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    return f"static_decode_cpu_{cap.lower()}{'_bf16' if bf16_dot() else ''}", flags
+
+
+def build_directory(
+    name: str | None = None,
+    root: str | os.PathLike[str] | None = None,
+    torch_version: str = torch.__version__,
+    python: tuple[int, int] = (sys.version_info.major, sys.version_info.minor),
+) -> Path:
+    """Where the kernels are built: one directory per extension name (the ISA), torch version and Python version,
+    under $TORCH_EXTENSIONS_DIR or torch's default cache. torch's own default is per Python version only, so two
+    environments with different torch versions rebuilt over each other on every switch (~2 minutes each)."""
+    from torch.utils.cpp_extension import get_default_build_root  # imported here: it pulls in setuptools
+
+    root = root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    tag = re.sub(r"[^A-Za-z0-9.]+", "_", f"torch{torch_version}-py{python[0]}{python[1]}")
+    return Path(root) / f"{name or _flags()[0]}-{tag}"
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Our own lock on the build directory: an flock, which the kernel releases when its holder dies (Ctrl-C, kill
+    -9), unlike torch's lock file. Waits up to $STATIC_DECODE_BUILD_WAIT seconds for another process's build, saying
+    so once, then raises TimeoutError (available() warns and takes the formulations without the kernels)."""
+    import fcntl  # POSIX: the kernels build on Linux (and macOS)
+
+    wait = float(os.environ.get(WAIT_ENV, BUILD_WAIT))
+    with open(directory / "static_decode.flock", "a+") as handle:
+        start, told = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() - start > wait:
+                    raise TimeoutError(f"another process has been building the CPU kernels in {directory} for over "
+                                       f"{wait:.0f} s ({WAIT_ENV})") from None
+                if not told:
+                    print(f"static_decode: waiting for another process building the CPU kernels in {directory}",
+                          file=sys.stderr, flush=True)
+                    told = True
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load  # imported here: it pulls in setuptools
+
+    name, flags = _flags()
+    directory = build_directory(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    # What the build depends on: a stamp written after a build says whether this load compiles (then say so).
+    signature = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)) + " ".join(flags).encode())
+    stamp = directory / "static_decode.stamp"
+    with _build_lock(directory):
+        # torch's builder holds this file only while it builds, and every builder here holds our lock: left over,
+        # it is a killed build's, and torch would wait for it to go away forever.
+        (directory / "lock").unlink(missing_ok=True)
+        fresh = not stamp.exists() or stamp.read_text() != signature.hexdigest()
+        if fresh:
+            print(f"static_decode: building the CPU kernels once for this torch and Python (~{BUILD_SECONDS} s on 2 "
+                  f"busy cores) into {directory}", file=sys.stderr, flush=True)
+        start = time.monotonic()
+        load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+             build_directory=str(directory), is_python_module=False, verbose=False)
+        if fresh:
+            stamp.write_text(signature.hexdigest())
+            print(f"static_decode: the CPU kernels are built ({time.monotonic() - start:.0f} s)", file=sys.stderr,
+                  flush=True)
 
 
 def available() -> bool:
@@ -116,11 +209,9 @@ available._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 def supports(rows: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the kernel takes a step of `rows` query rows per KV head, `head_dim`, K/V `dtype`, on `device`
-    (without building it)."""
-    return (
-        device.type == "cpu" and 1 <= rows <= MAX_ROWS and dtype in DTYPES
-        and head_dim % vector_floats() == 0 and head_dim <= MAX_HEAD_DIM
-    )
+    (without building it): exactly the calls the kernel computes (csrc/checks.h), so "auto" never picks it for
+    a shape it would refuse."""
+    return device.type == "cpu" and 1 <= rows <= MAX_ROWS and dtype in DTYPES and head_dim in head_dims()
 
 
 def decode_attention(
@@ -129,8 +220,13 @@ def decode_attention(
     """q [B, Hq, T, d]; k/v [B, Hkv, S, d] cache views (rows contiguous); lens/n_new [B] int64, lens counting the
     chunk. Slot t of row b sees keys 0..lens[b] - n_new[b] + t; a padded slot (t >= n_new[b]) returns zeros.
     Returns [B, Hq, T, d] in q's dtype. Call `available()` first."""
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must be rank 4")
     B, Hq, T, d = q.shape
     Hkv = k.shape[1]
+    if Hkv < 1 or Hq % Hkv or d < 1:
+        raise ValueError(f"decode_attention: {Hq} query heads for {Hkv} KV heads of head_dim {d} (a multiple of "
+                         "them, none zero)")
     qf = q.reshape(B, Hkv, Hq // Hkv * T, d)  # [B, Hkv, G*T, d]: row g*T + t; a group shares its KV head
     out = torch.ops.static_decode_cpu.decode_attention(qf, k, v, lens, n_new, T, 1.0 / math.sqrt(d))  # [B, Hkv, G*T, d]
     return out.view(B, Hq, T, d)

@@ -16,6 +16,7 @@
 // when t >= n_new[b] (a padded slot returns exact zeros). Keys past the longest visible prefix are never read.
 #include <torch/extension.h>
 
+#include "checks.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -27,6 +28,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -39,8 +41,9 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kBlock = 64;   // keys scored and softmaxed together: M x 64 scores stay in L1
 constexpr int64_t kSplit = 512;  // keys per work item at most (the flash-decoding split)
 constexpr int64_t kMaxD = 256;
-constexpr int64_t kMaxRows = 64;
+constexpr int64_t kMaxRows = static_decode_kernels::kMaxRows;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kAllLanes = (1 << Vec::size()) - 1;  // zero_mask() of a vector with no NaN lane
 
 // n rows of d values from src (row stride `stride` elements) as float32 rows of stride d: the cache's own memory
 // when it already is (float32, rows adjacent), else converted into `scratch` (bfloat16 / float16 caches).
@@ -264,6 +267,10 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
       Vec top(kNegInf);
       for (int64_t j = 0; j < nv; j += Vec::size()) top = at::vec::maximum(top, Vec::loadu(sm + j));
       const float block_max = top.reduce_max();
+      if (top.isnan().zero_mask() != kAllLanes) {  // a NaN score (query, key or scale): NaN out, as softmax gives
+        l[m] = std::numeric_limits<float>::quiet_NaN();  // sticks through later blocks; combine() writes NaN
+        continue;
+      }
       if (block_max == kNegInf) continue;  // no visible key in this block for this row
       const float new_max = std::max(mx[m], block_max);
       alpha[m] = std::exp(mx[m] - new_max);  // exp(-inf) = 0 on the first visible block
@@ -327,12 +334,17 @@ void combine(const float* part, int64_t BH, int64_t M, int64_t d, int64_t nsplit
     for (int64_t m = 0; m < M; ++m) {
       std::fill(o, o + d, 0.f);
       float top = kNegInf;
+      bool nan = false;  // a split met a NaN score (its l is NaN): the row is NaN, as the other formulations give
       for (int64_t c = 0; c < nsplit; ++c) {
         const float* p = part + (bh * nsplit + c) * M * (d + 2);
-        if (p[M * d + M + m] > 0.f) top = std::max(top, p[M * d + m]);
+        const float lc = p[M * d + M + m];
+        nan = nan || std::isnan(lc);
+        if (lc > 0.f) top = std::max(top, p[M * d + m]);
       }
       float den = 1.f;
-      if (top != kNegInf) {
+      if (nan) {
+        std::fill(o, o + d, std::numeric_limits<float>::quiet_NaN());
+      } else if (top != kNegInf) {
         den = 0.f;
         for (int64_t c = 0; c < nsplit; ++c) {
           const float* p = part + (bh * nsplit + c) * M * (d + 2);
@@ -349,18 +361,28 @@ void combine(const float* part, int64_t BH, int64_t M, int64_t d, int64_t nsplit
   }
 }
 
-template <typename T>
-void dispatch_d(const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor& v, const int64_t* lens, const int64_t* n_new,
-                int64_t B, int64_t H, int64_t M, int64_t slots, int64_t nsplit, int64_t split, float scale, float* part) {
-  switch (k.size(3) / Vec::size()) {
-    case 1: return attend<T, 1>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, split, scale, part);
-    case 2: return attend<T, 2>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, split, scale, part);
-    case 4: return attend<T, 4>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, split, scale, part);
-    case 8: return attend<T, 8>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, split, scale, part);
-    case 16: return attend<T, 16>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, split, scale, part);
-    default: TORCH_CHECK(false, "decode_attention: head_dim ", k.size(3), " is not supported");
+// attend<T, d / Vec::size()> for the head sizes with code (checks.h, kHeadDims): one instantiation each.
+template <typename T, int D>
+bool attend_if(int64_t d, const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor& v,
+               const int64_t* lens, const int64_t* n_new, int64_t B, int64_t H, int64_t M, int64_t slots,
+               int64_t nsplit, int64_t split, float scale, float* part) {
+  if constexpr (D % Vec::size() == 0) {
+    if (d == D) {
+      attend<T, D / Vec::size()>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, split, scale, part);
+      return true;
+    }
   }
+  return false;
 }
+
+template <typename T, int... Ds>
+bool dispatch_d(std::integer_sequence<int, Ds...>, const float* qp, bool bf16_q, const at::Tensor& k,
+                const at::Tensor& v, const int64_t* lens, const int64_t* n_new, int64_t B, int64_t H, int64_t M,
+                int64_t slots, int64_t nsplit, int64_t split, float scale, float* part) {
+  return (attend_if<T, Ds>(k.size(3), qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, split, scale, part) ||
+          ...);
+}
+using HeadDims = std::integer_sequence<int, 8, 16, 32, 48, 64, 80, 96, 128, 256>;  // checks.h's kHeadDims
 
 // How the key axis is split into work items: (items per KV head, keys per item). The keys split evenly over the
 // longest visible prefix (not the read bucket, which may hold far more keys than any row sees), in items of at most
@@ -381,18 +403,8 @@ std::pair<int64_t, int64_t> plan_splits(const int64_t* lens, const int64_t* n_ne
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
                             const at::Tensor& n_new, int64_t slots, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be rank 4");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "decode_attention: k and v differ");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              "decode_attention: q ", q.sizes(), " does not match k ", k.sizes());
-  const int64_t d = q.size(3);
-  TORCH_CHECK(d % Vec::size() == 0 && d <= kMaxD, "decode_attention: head_dim ", d, " must be a multiple of ",
-              Vec::size(), " up to ", kMaxD);
-  TORCH_CHECK(q.size(2) <= kMaxRows && slots >= 1 && q.size(2) % slots == 0, "decode_attention: ", q.size(2),
-              " query rows for ", slots, " slots (at most ", kMaxRows, " rows)");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k and v rows must be contiguous");
-  TORCH_CHECK(lens.scalar_type() == at::kLong && n_new.scalar_type() == at::kLong, "decode_attention: int64 lengths");
-  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), S = k.size(2);
+  static_decode_kernels::check_decode_attention(q, k, v, lens, n_new, slots);  // before anything is read
+  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), S = k.size(2), d = q.size(3);
   auto lc = lens.contiguous();
   auto nc = n_new.contiguous();
   const int64_t* lp = lc.data_ptr<int64_t>();
@@ -411,12 +423,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   // bfloat16 queries over a bfloat16 cache: the scores by AVX512-BF16 dot products (exact products).
   const bool bf16_q = qc.scalar_type() == at::kBFloat16;
   const float sc = static_cast<float>(scale);
+  bool done = false;
   switch (k.scalar_type()) {
-    case at::kFloat: dispatch_d<float>(qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, split, sc, part); break;
-    case at::kBFloat16: dispatch_d<at::BFloat16>(qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, split, sc, part); break;
-    case at::kHalf: dispatch_d<at::Half>(qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, split, sc, part); break;
-    default: TORCH_CHECK(false, "decode_attention: K/V dtype ", k.scalar_type(), " is not supported");
+    case at::kFloat:
+      done = dispatch_d<float>(HeadDims{}, qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, split, sc, part);
+      break;
+    case at::kBFloat16:
+      done = dispatch_d<at::BFloat16>(HeadDims{}, qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, split, sc, part);
+      break;
+    case at::kHalf:
+      done = dispatch_d<at::Half>(HeadDims{}, qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, split, sc, part);
+      break;
+    default: break;
   }
+  TORCH_CHECK(done, "decode_attention: no code for K/V ", k.scalar_type(), " head_dim ", d);  // checked above
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "decode_attention_out", [&] {
     combine<scalar_t>(part, B * H, M, d, nsplit, out.data_ptr<scalar_t>());
   });

@@ -17,6 +17,7 @@
 // by the products' summation order (MKL's against ours), ~1e-7 relative.
 #include <torch/extension.h>
 
+#include "checks.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -26,7 +27,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -206,40 +209,70 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// Everything `layers` indexes with, before the cache is written (rule 6): devices, dtypes, shapes, strides, no zero
+// size, every layer's weights the shapes of the first's (the buffers are sized by it), the head size the attention
+// has code for, and the lengths: n_new 0 or 1, lens_after = lens + n_new <= read_len <= max_len (the write at lens
+// stays inside the cache's rows, the attention inside the read).
+void check_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k,
+                  const at::Tensor& v, const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after,
+                  int64_t read_len, at::TensorList weights) {
+  using static_decode_kernels::check_cpu;
+  constexpr const char* op = "decode_layers";
+  for (const auto& [t, name] : {std::pair{&x, "x"}, {&cos, "cos"}, {&sin, "sin"}, {&k, "k"}, {&v, "v"}})
+    check_cpu(*t, op, name);
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1 && x.size(2) > 0 && x.is_contiguous(),
+              "decode_layers: x must be one contiguous row [1, 1, D], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "decode_layers: model dtype ",
+              x.scalar_type(), " is not supported here (float32, bfloat16)");
+  TORCH_CHECK(k.dim() == 5 && k.sizes() == v.sizes() && k.size(1) == 1 && k.stride(4) == 1 && v.stride(4) == 1,
+              "decode_layers: k and v must be [L, 1, Hkv, S, d] with contiguous rows, got ", k.sizes(), " ", v.sizes());
+  TORCH_CHECK(static_decode_kernels::kernel_float(k.scalar_type()) && v.scalar_type() == k.scalar_type(),
+              "decode_layers: K/V dtypes ", k.scalar_type(), "/", v.scalar_type(), " (float32/bfloat16/float16)");
+  TORCH_CHECK(k.size(0) > 0 && k.size(2) > 0, "decode_layers: k ", k.sizes(), " has no layer or no KV head");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * k.size(0), "decode_layers: ", weights.size(),
+              " weights for ", k.size(0), " layers (", kPerLayer, " a layer)");
+  TORCH_CHECK(read_len >= 1 && read_len <= k.size(3) - 1, "decode_layers: read_len ", read_len, " outside 1..",
+              k.size(3) - 1);
+  const int64_t Hkv = k.size(2), d = k.size(4), D = x.size(2), max_len = k.size(3) - 1;
+  TORCH_CHECK(static_decode_kernels::head_dim_supported(d), "decode_layers: head_dim ", d, " is not supported");
+  TORCH_CHECK(cos.numel() == d / 2 && sin.numel() == d / 2 && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "decode_layers: cos/sin must hold head_dim / 2 values in x's dtype, got ", cos.scalar_type(), " ",
+              cos.sizes(), " and ", sin.scalar_type(), " ", sin.sizes());
+  const int64_t Nq = weights[kQ].dim() == 2 ? weights[kQ].size(0) : 0, Nkv = Hkv * d;
+  const int64_t inner = weights[kGate].dim() == 2 ? weights[kGate].size(0) : 0;
+  TORCH_CHECK(Nq >= Nkv && Nq % Nkv == 0 && Nq / Nkv <= static_decode_kernels::kMaxRows && inner > 0,
+              "decode_layers: q rows ", Nq, " for ", Hkv, " KV heads of ", d, " (1..", static_decode_kernels::kMaxRows,
+              " query heads a KV head), gate rows ", inner);
+  const int64_t want[kPerLayer][2] = {{D, -1}, {Nq, D}, {Nkv, D}, {Nkv, D}, {D, Nq}, {D, -1}, {inner, D},
+                                      {inner, D}, {D, inner}};
+  for (int64_t l = 0; l < k.size(0); ++l) {
+    for (int i = 0; i < kPerLayer; ++i) {
+      const at::Tensor& t = weights[l * kPerLayer + i];
+      check_cpu(t, op, "a weight");
+      const bool shape = want[i][1] < 0 ? (t.dim() == 1 && t.size(0) == want[i][0])
+                                        : (t.dim() == 2 && t.size(0) == want[i][0] && t.size(1) == want[i][1]);
+      TORCH_CHECK(shape && t.is_contiguous() && t.scalar_type() == x.scalar_type(), "decode_layers: layer ", l,
+                  " weight ", i, " is ", t.scalar_type(), " ", t.sizes(), " (contiguous, x's dtype, [", want[i][0],
+                  want[i][1] < 0 ? "" : ", ", want[i][1] < 0 ? "" : std::to_string(want[i][1]), "] wanted)");
+    }
+  }
+  const int64_t n = static_decode_kernels::lengths(n_new, 1, op, "n_new").data_ptr<int64_t>()[0];
+  const int64_t old = static_decode_kernels::lengths(lens, 1, op, "lens").data_ptr<int64_t>()[0];
+  const int64_t after = static_decode_kernels::lengths(lens_after, 1, op, "lens_after").data_ptr<int64_t>()[0];
+  TORCH_CHECK(n == 0 || n == 1, "decode_layers: n_new ", n, " (one slot: 0 or 1)");
+  TORCH_CHECK(old >= 0 && old <= max_len - n, "decode_layers: lens ", old, " outside 0..", max_len - n,
+              " (the cache's rows for n_new ", n, ")");
+  TORCH_CHECK(after == old + n && after <= read_len, "decode_layers: lens_after ", after, " is not lens + n_new = ",
+              old + n, " within read_len ", read_len);
+}
+
 // x [1, 1, D]; cos/sin [1, 1, 1, d/2]; k/v [L, 1, Hkv, max_len + 1, d] (the layers' cache, written at the old
 // length); lens (old) / n_new / lens_after [1] int64; weights: kPerLayer per layer. Returns x after the L layers.
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
                          at::Tensor& v, const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after,
                          int64_t read_len, at::TensorList weights, double eps) {
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1 && x.is_contiguous(),
-              "decode_layers: x must be one contiguous row [1, 1, D], got ", x.sizes());
-  TORCH_CHECK(k.dim() == 5 && k.sizes() == v.sizes() && k.size(1) == 1 && k.stride(4) == 1 && v.stride(4) == 1,
-              "decode_layers: k and v must be [L, 1, Hkv, S, d] with contiguous rows, got ", k.sizes(), " ", v.sizes());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * k.size(0), "decode_layers: ", weights.size(),
-              " weights for ", k.size(0), " layers (", kPerLayer, " a layer)");
-  TORCH_CHECK(read_len >= 1 && read_len <= k.size(3) - 1, "decode_layers: read_len ", read_len, " outside 1..",
-              k.size(3) - 1);
-  for (const at::Tensor* t : {&lens, &n_new, &lens_after})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == 1, "decode_layers: lengths must be [1] int64");
-  const int64_t d = k.size(4), D = x.size(2);
-  TORCH_CHECK(cos.numel() == d / 2 && sin.numel() == d / 2 && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
-              "decode_layers: cos/sin must hold head_dim / 2 values in x's dtype");
-  for (int64_t l = 0; l < k.size(0); ++l) {
-    const at::Tensor* lw = weights.data() + l * kPerLayer;
-    const int64_t Nq = lw[kQ].size(0), Nkv = lw[kK].size(0), inner = lw[kGate].size(0);
-    TORCH_CHECK(Nkv == k.size(2) * d && Nq % Nkv == 0 && lw[kV].size(0) == Nkv, "decode_layers: layer ", l,
-                " q/k/v rows ", Nq, "/", Nkv, "/", lw[kV].size(0), " do not match the cache's heads");
-    const int64_t want[kPerLayer][2] = {{D, -1}, {Nq, D}, {Nkv, D}, {Nkv, D}, {D, Nq}, {D, -1}, {inner, D},
-                                        {inner, D}, {D, inner}};
-    for (int i = 0; i < kPerLayer; ++i) {
-      const at::Tensor& t = lw[i];
-      const bool shape = want[i][1] < 0 ? (t.dim() == 1 && t.size(0) == want[i][0])
-                                        : (t.dim() == 2 && t.size(0) == want[i][0] && t.size(1) == want[i][1]);
-      TORCH_CHECK(shape && t.is_contiguous() && t.scalar_type() == x.scalar_type(), "decode_layers: layer ", l,
-                  " weight ", i, " is ", t.scalar_type(), " ", t.sizes(), " (contiguous, x's dtype wanted)");
-    }
-  }
+  check_layers(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights);
   switch (x.scalar_type()) {
     case at::kFloat: return layers<float>(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, eps);
 #if defined(__AVX512BF16__)

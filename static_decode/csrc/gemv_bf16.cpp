@@ -8,6 +8,7 @@
 // 8 rows at once with the next 8 rows prefetched: 25-27 GB/s on SmolLM2's shapes.
 #include <torch/extension.h>
 
+#include "checks.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -60,15 +61,23 @@ void rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n
 }
 #endif
 
-// The checks every entry point makes: weights contiguous bfloat16 [N, K] with x's K; x as a bfloat16 row
-// (exact for a bfloat16 model; the products are exact in float32 either way).
+// The checks every entry point makes: weights contiguous bfloat16 [N, K] on the CPU, all with the first one's K; x
+// one row of K values ([..., K] with every other size 1) in a float dtype. Returns x as a bfloat16 row (exact for a
+// bfloat16 model; the products are exact in float32 either way).
 at::Tensor bf16_row(const at::Tensor& x, std::initializer_list<const at::Tensor*> weights, const char* op) {
-  const int64_t K = x.numel();
+  static_decode_kernels::check_cpu(x, op, "x");
+  int64_t K = -1;
   for (const at::Tensor* w : weights) {
+    static_decode_kernels::check_cpu(*w, op, "a weight");
     TORCH_CHECK(w->dim() == 2 && w->scalar_type() == at::kBFloat16 && w->is_contiguous(), op,
                 ": weights must be contiguous bfloat16 [N, K] matrices, got ", w->scalar_type(), " ", w->sizes());
-    TORCH_CHECK(w->size(1) == K, op, ": x has ", K, " elements, a weight ", w->size(1), " columns");
+    if (K < 0) K = w->size(1);
+    TORCH_CHECK(w->size(1) == K, op, ": a weight has ", w->size(1), " columns, the first ", K);
   }
+  TORCH_CHECK(static_decode_kernels::kernel_float(x.scalar_type()) || x.scalar_type() == at::kDouble, op,
+              ": x's dtype ", x.scalar_type(), " is not float32/bfloat16/float16/float64");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K && x.numel() == K, op, ": x ", x.sizes(), " is not one row of the ",
+              K, " values the weights' columns take");
   return x.reshape({K}).to(at::kBFloat16).contiguous();
 }
 
