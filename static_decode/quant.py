@@ -128,6 +128,33 @@ def _int4_at(
 
 
 # ---- the stored weight and its product -------------------------------------------------------------------------
+def int4_block() -> tuple[int, bool]:
+    """(rows per block, halves) of `aten._convert_weight_to_int4pack_for_cpu` on this CPU (ATen's int4mm_kernel.cpp):
+    blocks of 4 float vectors' worth of rows (64 on AVX-512, 32 otherwise), K bytes of block/2 each; byte j of a
+    full block holds rows j (low nibble) and j + block/2 (high) on AVX-512 and AVX2 ("halves"), rows 2j and 2j + 1
+    in the portable build and in a last, partial block."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return (64 if cap == "AVX512" else 32), cap in ("AVX512", "AVX2")
+
+
+def unpack_int4(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """The codes [N, K] (uint8, 0..15) of an int4 weight in torch's CPU layout (tested against the layout's own
+    product: tests/test_quant.py)."""
+    block, halves = int4_block()
+    flat = packed.reshape(-1)
+    full = N // block * block  # rows in whole blocks
+    parts = []
+    if full:
+        b = flat[: full * K // 2].view(full // block, K, block // 2)  # [NB, K, block/2]
+        lo, hi = b & 15, b >> 4
+        rows = torch.cat([lo, hi], 2) if halves else torch.stack([lo, hi], -1).view(full // block, K, block)
+        parts.append(rows.transpose(1, 2).reshape(full, K))  # [full, K]
+    if full < N:
+        b = flat[full * K // 2:].view(K, (N - full) // 2)  # [K, rest/2]: pairs of rows
+        parts.append(torch.stack([b & 15, b >> 4], -1).view(K, N - full).t())  # [rest, K]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 class QuantWeight(nn.Module):
     """A quantized [N, K] weight in the layout its product reads. `shape` is the float weight's; `dtype` the
     dtype of the activations it multiplies (the model's); its tensors are buffers (moved by .to(), saved by
@@ -145,6 +172,8 @@ class QuantWeight(nn.Module):
         if scheme.bits == 4 and K % scheme.group:
             raise ValueError(f"int4 group {scheme.group} does not divide the weight's {K} inputs; use "
                              f"{' or '.join(f'int4-g{g}' for g in INT4_GROUPS if K % g == 0) or 'int8'}")
+        if scheme.bits == 4 and N % 16:
+            raise ValueError(f"int4 needs a multiple of 16 output rows (torch's CPU int4 layout), got {N}; use int8")
         self.scheme, self.out_features, self.in_features = scheme, N, K
         if scheme.bits == 8:
             q, s = quantize_int8(weight, dtype)
@@ -177,32 +206,32 @@ class QuantWeight(nn.Module):
         """x [..., K] (the model's dtype) times the weight's transpose -> [..., N] in x's dtype."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
+        if x2.shape[0] != 1:
+            # Several rows (prefill chunks, verify steps): the weight dequantized in x's dtype, then the float GEMM.
+            # torch's int8/int4 CPU kernels take rows one at a time: a 256-row chunk by SmolLM2's gate/up ran 33x
+            # (int8) to 52x (int4) slower than F.linear in float32, 3-4x in bfloat16; the dequantization costs a
+            # pass over the weight (profiles/RESULTS.md, "Quantized weights").
+            return torch.nn.functional.linear(x2, self.dequantize(x.dtype)).reshape(*lead, self.out_features)
         if self.scheme.bits == 8:
-            out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)  # [M, N]
+            out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)  # [1, N]
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.scheme.group, self.scales)
         return out.reshape(*lead, self.out_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """The weight [N, K] the product multiplies by, in `dtype` (exact from the stored codes and scales)."""
+        """The weight [N, K] the products multiply by, in `dtype` (float64: exact from the stored codes and
+        scales; the model's dtype: what the several-row products use)."""
         N, K = self.shape
         if self.scheme.bits == 8:
-            return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
-        q = self.codes().to(dtype)  # [N, K]
-        s, z = self.scales.to(dtype).unbind(-1)  # [K/group, N] each
-        s = s.t().repeat_interleave(self.scheme.group, dim=1)  # [N, K]
-        z = z.t().repeat_interleave(self.scheme.group, dim=1)
-        return (q - 8) * s + z
+            return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]  # [N, K]
+        g = self.scheme.group
+        q = self.codes().to(dtype).view(N, K // g, g)  # [N, G, group]
+        s, z = self.scales.to(dtype).unbind(-1)  # [G, N] each
+        return ((q - 8) * s.t()[..., None] + z.t()[..., None]).view(N, K)
 
     def codes(self) -> torch.Tensor:
-        """int4: the codes q [N, K] (0..15) back out of the CPU layout, read through the product itself (the layout
-        depends on the vector width torch was built for): one-hot rows with scale 1 and offset 8 give (q - 8) + 8,
-        small integers, exact in float32."""
-        N, K = self.shape
-        eye = torch.eye(K, dtype=torch.float32, device=self.device)  # [K, K]
-        ones = torch.stack([torch.ones(K // self.scheme.group, N), torch.full((K // self.scheme.group, N), 8.0)], -1)
-        cols = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, self.scheme.group, ones.to(self.device))
-        return cols.t().round().to(torch.int32)  # [N, K]
+        """int4: the codes q [N, K] (uint8, 0..15) unpacked from torch's CPU layout (`unpack_int4`)."""
+        return unpack_int4(self.qweight, self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
         return f"{self.scheme.name}, out={self.out_features}, in={self.in_features}"

@@ -68,9 +68,22 @@ def test_formats_decode_to_the_reference_quantizer(scheme, dtype):
     assert qw.nbytes == want
 
 
+@pytest.mark.parametrize("N", [16, 48, 64, 80, 192, 208])
+def test_int4_unpack_reads_torch_layout(N):
+    """`unpack_int4` against the layout's own product: one-hot rows with scale 1 and offset 8 give each code back
+    (small integers, exact in float32), whole blocks and a partial last block alike."""
+    K, group = 64, 32
+    q = torch.randint(0, 16, (N, K), dtype=torch.int32, generator=torch.Generator().manual_seed(N))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    sz = torch.stack([torch.ones(K // group, N), torch.full((K // group, N), 8.0)], -1)  # [G, N, 2]
+    probe = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(K), packed, group, sz).t()  # [N, K]
+    assert torch.equal(probe.round().to(torch.int32), q)
+    assert torch.equal(quant.unpack_int4(packed, N, K).to(torch.int32), q)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
-@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("rows", [1, 2, 7])
 def test_products_match_float64_by_the_dequantized_weight(scheme, dtype, rows):
     torch.manual_seed(1)
     w = torch.randn(80, 384, dtype=dtype)
