@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "static_decode.commands.capture_report",
     "static_decode.commands.bench",
     "static_decode.commands.serve",
+    "static_decode.commands.perplexity",
 )
 
 
