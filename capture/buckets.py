@@ -40,6 +40,12 @@ DEFAULT_GROWTH = 1.5  # worst-case read is < 1.5x the live length + align; ~16 r
 # SmolLM2-135M (CPU, f32, max_len 2048): decode at context 1,024 30.9 -> 29.8 ms/token (reads 1,152 keys, not
 # 1,280), a 128-token prompt 135 -> 126 ms to the first token (reads 128, not 256).
 FINE_ALIGN, FINE_GROWTH = 128, 1.25
+# CUDA: every rung is a CUDA graph recorded at warm-up (three calls of the step) and its own slice of the graph
+# pool, also where one compile covers them all, and a Llama-3.1-8B step took ~84 s a graph with a static read
+# length on an H200 (12 rungs at 32k: ~17 minutes a kind). So the CUDA default is coarse for capture time: reads
+# < 1.5x live + 1024, 9 rungs at 32k, 12 at 128k (a rung of the 1k-aligned ladder is also whole blocks of every
+# attention kernel's key tile). Finer ladders cost only warm-up calls with a symbolic read length: pass one.
+CUDA_ALIGN, CUDA_GROWTH = 1024, 1.5
 
 
 @dataclass(frozen=True)
@@ -96,10 +102,24 @@ class BucketLadder:
         return cls.geometric(max_len, align=FINE_ALIGN, growth=FINE_GROWTH)
 
     @classmethod
-    def of(cls, ladder: BucketLadder | Sequence[int] | None, max_len: int, *, fine: bool = False) -> BucketLadder:
-        """Normalise a user's choice: None -> the default (`fine` if the read length is symbolic), a list -> that
-        ladder; it must end at max_len."""
+    def cuda(cls, max_len: int) -> BucketLadder:
+        """The CUDA default: `geometric(max_len, align=1024, growth=1.5)` (few rungs: each one is a CUDA graph)."""
+        return cls.geometric(max_len, align=CUDA_ALIGN, growth=CUDA_GROWTH)
+
+    @classmethod
+    def of(
+        cls,
+        ladder: BucketLadder | Sequence[int] | None,
+        max_len: int,
+        *,
+        fine: bool = False,
+        device_type: str = "cpu",
+    ) -> BucketLadder:
+        """Normalise a user's choice: None -> the default (on CUDA `cuda`; elsewhere `fine` if the read length is
+        symbolic), a list -> that ladder; it must end at max_len."""
         if ladder is None:
+            if device_type == "cuda":
+                return cls.cuda(max_len)
             return cls.fine(max_len) if fine else cls.default(max_len)
         if not isinstance(ladder, BucketLadder):
             ladder = cls(tuple(ladder))

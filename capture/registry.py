@@ -37,6 +37,10 @@ What the registry takes care of:
 Lazy mode (`warm_up` not called, or called for some pairs only): a pair compiles at its first real call, and
 its record is made then.
 
+Formulations (CUDA): a kind whose compile fails while a key-splitting attention formulation is in use compiles
+again with the next one (flex, then split_key, then the one-call sdpa_folded; static_decode.attention), before
+any eager fallback: the step stays compiled. `formulation_fallbacks` names what gave way per kind.
+
 Fallback (`fallback=True`, the Generator's default for a tensor-parallel model): when compiling or capturing a
 kind fails (a collectives backend that a graph cannot hold, say), that kind runs its eager step from then on,
 and every record of it carries the reason (`CaptureRecord.fallback`, shown by capture-report and compared by
@@ -62,7 +66,7 @@ from capture.compile_cache import CompileCache
 from capture.guards import count_compiles
 from capture.report import CaptureRecord, CaptureReport
 from capture.settings import RECOMPILE_HEADROOM, CompileSettings
-from static_decode import ranges
+from static_decode import attention, ranges
 from static_decode.progress import console, progress_bar
 
 Pair = tuple[str, int]
@@ -183,6 +187,9 @@ class StepRegistry:
         self.records: dict[Pair, CaptureRecord] = {}
         self.fallback = bool(fallback)
         self.fallbacks: dict[str, str] = {}  # kind -> why it runs eagerly
+        # CUDA: a compile failure first retries with the next key-splitting attention formulation (_next_formulation)
+        self.formulation_retry = self.device.type == "cuda" and self.settings.backend == "inductor"
+        self.formulation_fallbacks: dict[str, list[str]] = {}  # kind -> formulations that failed to compile for it
 
     # ---- what exists --------------------------------------------------------------------------------------
     @property
@@ -304,14 +311,19 @@ class StepRegistry:
         nested0 = self.nested_graphs() if self.nested_graphs is not None else 0
         with ranges.range(ranges.capture_name(kind, read_len)), cache, count_compiles() as counter, torch.no_grad():
             t0 = time.perf_counter()
-            try:
-                for _ in range(calls if kind not in self.fallbacks else 1):
-                    out = call()
-            except Exception as error:
-                if not self.fallback or kind in self.fallbacks:
-                    raise
-                self._fall_back(kind, error)
-                out = call()  # now the eager step
+            while True:
+                try:
+                    for _ in range(calls if kind not in self.fallbacks else 1):
+                        out = call()
+                    break
+                except Exception as error:
+                    if kind not in self.fallbacks and self._next_formulation(kind, error):
+                        continue  # compiled again, attention taking the next formulation
+                    if not self.fallback or kind in self.fallbacks:
+                        raise
+                    self._fall_back(kind, error)
+                    out = call()  # now the eager step
+                    break
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - t0
@@ -331,6 +343,23 @@ class StepRegistry:
             fallback=self.fallbacks.get(kind, ""),
         )
         return out, record
+
+    def _next_formulation(self, kind: str, error: Exception) -> bool:
+        """A compile on CUDA failed: mark the first attention formulation still in use among the key-splitting
+        ones (attention.CUDA_DECODE_ORDER: flex, then split_key) failed, so that the retried compile resolves past
+        it. False when none is left to give way (then the kind falls back to eager, or the error is raised)."""
+        if not self.formulation_retry:
+            return False
+        failed = attention.failed_formulations()
+        left = [impl for impl in attention.CUDA_DECODE_ORDER[:-1] if impl not in failed]
+        if not left:
+            return False
+        lines = str(error).strip().splitlines()
+        why = f"{type(error).__name__}: {lines[0] if lines else ''}"[:200]
+        attention.formulation_failed(left[0], why)
+        self.formulation_fallbacks.setdefault(kind, []).append(left[0])
+        console().print(f"[capture] step {kind!r}: attention {left[0]!r} failed to compile ({why}); compiling again")
+        return True
 
     def _fall_back(self, kind: str, error: Exception) -> None:
         """From now on run `kind` eagerly; remember why (the first line of the error)."""

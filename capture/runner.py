@@ -64,7 +64,9 @@ class CompiledRunner:
         tp = model.tp
         settings = opts.settings or CompileSettings.for_device(cache.device, collectives=tp.backend())
         self._fns = {kind: dc.own_copy(fn) for kind, fn in (STEPS if steps is None else steps).items()}
-        ladder = BucketLadder.of(opts.buckets, cache.max_len, fine=settings.symbolic_read_len)
+        ladder = BucketLadder.of(
+            opts.buckets, cache.max_len, fine=settings.symbolic_read_len, device_type=cache.device.type
+        )
         self.regions = self._regions(model, cache, settings, ladder)
         self.registry = StepRegistry(
             self._fns, ladder,

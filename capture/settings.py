@@ -17,10 +17,11 @@ cudagraph trees still record one CUDA graph per rung from that code (a CUDA grap
   token costs 1-5% more (20-45 us per step: inductor's C++-wrapper entry turns the symbolic int into a tensor at
   every call; the generated code itself runs as fast). Set False for those few percent when compile time does not
   matter.
-* CUDA default: static, until measured on a GPU (profiles/gpu_check.py: capture seconds, graphs per kind, graph
-  pool MiB and ms/token at 1k/8k/32k, static against `symbolic_read_len=True`). Symbolic sizes change what
-  inductor generates for the Triton kernels (no size-specialised tiling, index arithmetic on a symbol), which is
-  where a decode step's time goes there, so it is not switched on unmeasured.
+* CUDA default: symbolic as well. With a static read length the one H200 run (Llama-3.1-8B shape, torch 2.11)
+  took ~84 s a graph, so the 9 rungs of the CUDA ladder at 32k (capture.buckets) would cost ~13 minutes a kind;
+  symbolic, a kind compiles once and each rung only records its CUDA graph. Symbolic sizes change what inductor
+  generates for the Triton kernels (no size-specialised tiling, index arithmetic on a symbol): profiles/gpu_check
+  times decode both ways at 1k/8k/32k (`symbolic_read_len=False` for the static one) and recommends one.
 
 Always fullgraph=True (a graph break inside a step is a bug, not a fallback) and dynamic=False: nothing but the
 read length may become symbolic, not the batch, the chunk or a tensor of a regrown cache (torch's automatic
@@ -118,8 +119,8 @@ class CompileSettings:
 
     @classmethod
     def for_device(cls, device: torch.device | str, *, collectives: str | None = None) -> CompileSettings:
-        """The measured default: reduce-overhead (CUDA graphs) and a static read length on CUDA; the C++ wrapper
-        a symbolic read length and layer regions on CPU (the module docstring says why).
+        """The default: reduce-overhead (CUDA graphs) and a symbolic read length on CUDA; the C++ wrapper, a
+        symbolic read length and layer regions on CPU (the module docstring says why).
 
         collectives: the torch.distributed backend the steps' all-reduces run on (tensor parallelism), or
         None. NCCL collectives can be captured in a CUDA graph; any other backend on CUDA tensors (gloo)
@@ -128,8 +129,8 @@ class CompileSettings:
         device = torch.device(device)
         if device.type == "cuda":
             if collectives not in (None, "nccl"):
-                return cls()
-            return cls(mode="reduce-overhead")
+                return cls(symbolic_read_len=True)
+            return cls(mode="reduce-overhead", symbolic_read_len=True)
         if device.type == "cpu":
             return cls(options=CPU_OPTIONS, symbolic_read_len=True, layer_regions=CPU_LAYER_REGIONS, fused_decode=True)
         return cls()

@@ -1,282 +1,286 @@
-"""Decode latency and achieved bandwidth of a Llama-3.1-8B-shaped model: eager, CUDA graphs, full-length read.
+"""The GPU check: one command that decides the CUDA defaults (Llama-3.1-8B shape, random bf16 weights, batch 1).
 
-Random bf16 weights initialised on the device (32 layers, hidden 4096, 32 query / 8 KV heads, head_dim 128,
-FFN 14336, vocab 128256), batch 1, max_len 32k. For each live length (1k, 8k, 32k) the cache lengths are set
-directly (the K/V values do not change the work of a fixed-shape step) and `--steps` greedy decode steps are
-timed back to back with CUDA events, each appending one token:
+Phases (profiles/gpu_check_phases.py), each in a process of its own under its own time budget, in this order:
 
-    eager      the eager step, reading exactly the live length
-    graphs     the compiled step (CUDA graphs on CUDA) at the ladder's bucket for that length
-    full       the compiled step at read_len = max_len (what a cache without a ladder reads)
+    env                torch, device, SMs; the device-to-device copy rate (CUDA events over many copies)
+    correct_attention  each attention formulation against a float64 reference at 1k / 8k / 32k on a few heads
+                       (ragged rows, a verify chunk, padded slots)
+    model              the whole model on a fresh compile cache: capture seconds per (kind, rung), graphs, graph
+                       pool; decode at 1k / 8k / 32k (CUDA events over 50 graph replays); 32 compiled greedy
+                       tokens against eager's
+    model_warm         a second process on the same compile cache: capture seconds per kind
+    embedded           the embedded default model: 32 compiled greedy tokens against eager's
+    attention          decode attention alone over every layer, per formulation and live length (one CUDA graph)
+    variants           whole-step decode per setting in question (formulation, static read length, unfused
+                       projections, coordinate-descent tuning) on the shape's layer cut to 4 layers
 
-Achieved bandwidth = (weight bytes read per token + live KV bytes) / time, next to a device-to-device copy
-measured in the same run ((read + write) bytes / time): how close a step is to the memory-bound floor.
-`--tiny --device cpu` runs the same logic on a toy shape (tests/test_gpu_check.py).
-
-Then decode attention alone at the same head shape (one layer, batch 1, bf16) for every attention formulation
-at the same live lengths, as a fraction of the device copy rate: the SDPA/matmul ones eager (one call is a few
-kernels), `flex` compiled (it only exists as a kernel under torch.compile on CUDA: inductor's flash-decoding
-template, which splits the key axis). `--attention-only` skips the model (and its ~4 minutes of capture).
-
-Writes gpu_check.json and gpu_check.md to --out (default: $OUT, else ./out); each result is written as soon
-as it exists, so a run cut short still leaves what it measured. The multi-GPU (tensor-parallel) check is
-profiles/gpu_check_tp.py.
+Every row is appended to $OUT/gpu_check_rows.jsonl the moment it is measured (a phase cut by its budget keeps
+what it measured); after each phase $OUT/gpu_check_summary.json and gpu_check.md are rewritten from the rows.
+`--dry-run` runs every phase on the CPU with a tiny shape (dynamo's eager backend) and writes the same files
+(tests/test_gpu_check.py). Uses the machine's python and packages as they are; torch 2.11 or newer.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
-
-from capture import BucketLadder, CaptureOptions, CompileSettings  # noqa: E402
-from static_decode import Generator, Llama, LlamaConfig  # noqa: E402
-from static_decode.config import RopeConfig  # noqa: E402
-
-LLAMA_8B = LlamaConfig(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-    head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=131072,
-    rope=RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=8192),
+from gpu_check_common import (  # noqa: E402,F401 - re-exported for gpu_check_tp.py and the tests
+    LLAMA_8B,
+    TINY,
+    Rows,
+    Shape,
+    Timer,
+    copy_bandwidth,
+    error_text,
+    kv_bytes,
+    parser,
+    read_rows,
+    shape,
+    time_decode,
+    weight_bytes_per_token,
 )
-TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+
+ROWS, SUMMARY, TABLE = "gpu_check_rows.jsonl", "gpu_check_summary.json", "gpu_check.md"
+TOTAL_S = 460  # every phase of a device run, python start-up included (the command's limit is 8 minutes)
+DRY_BUDGET_S = 60  # per phase on the dry run
+SPEED_MARGIN = 0.02  # a setting replaces the default only where it decodes this much faster
 
 
-@dataclass
-class Shape:
-    config: LlamaConfig
-    max_len: int
-    lengths: tuple[int, ...]  # live lengths measured
-    dtype: torch.dtype
-
-
-def shape(tiny: bool) -> Shape:
-    if tiny:
-        return Shape(TINY, 256, (16, 64, 200), torch.float32)
-    return Shape(LLAMA_8B, 32768, (1024, 8192, 32000), torch.bfloat16)
-
-
-class Timer:
-    """CUDA events on CUDA (device time of back-to-back work), wall clock elsewhere."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn, reps: int) -> float:
-        """Seconds per call of fn over `reps` back-to-back calls."""
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3 / reps
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t) / reps
-
-
-def copy_bandwidth(device: torch.device, nbytes: int, timer: Timer) -> float:
-    """Device-to-device copy: (read + write) bytes per second."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    seconds = min(timer(lambda: dst.copy_(src), 5) for _ in range(3))
-    return 2 * nbytes / seconds
-
-
-def weight_bytes_per_token(model: Llama) -> int:
-    """Bytes of weights a decode step reads: all parameters, except the embedding table (one row is read)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb = model.embed_tokens.weight
-    if model.lm_head is not None:  # untied: the table itself is only gathered from
-        total -= emb.numel() * emb.element_size() - emb.shape[1] * emb.element_size()
-    return total
-
-
-def kv_bytes(cfg: LlamaConfig, length: int, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * length * cfg.head_dim * torch.finfo(dtype).bits // 8
-
-
-def parser(description: str) -> argparse.ArgumentParser:
-    """The options of this script and of gpu_check_tp.py."""
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--tiny", action="store_true", help="a toy shape (for CPU tests of this script)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--steps", type=int, default=None, help="decode steps timed per case (default 50, tiny 5)")
-    ap.add_argument("--backend", default="inductor", help="torch.compile backend (eager: logic tests only)")
+def args_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="every phase on the CPU with a tiny shape")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "out"))
-    ap.add_argument("--attention-only", action="store_true", help="only the attention rows (no model, no capture)")
-    ap.add_argument("--no-attention", action="store_true", help="no attention rows")
+    ap.add_argument("--phases", default=None, help="comma-separated phases to run (default: all, in order)")
+    ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # run one phase in this process
+    ap.add_argument("--budget", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--started", type=float, default=None, help=argparse.SUPPRESS)  # time.time() at the launch
+    ap.add_argument("--processes", action=argparse.BooleanOptionalAction, default=None,
+                    help="each phase in a process of its own (default on the device; the dry run runs them in one "
+                         "process, importing torch once)")
+    ap.add_argument("--cache-dir", type=Path, default=None, help=argparse.SUPPRESS)
     return ap
 
 
-def main() -> int:
-    args = parser(__doc__.splitlines()[0]).parse_args()
-    device = torch.device(args.device)
-    sh = shape(args.tiny)
-    steps = args.steps or (5 if args.tiny else 50)
+def main(argv: list[str] | None = None) -> int:
+    args = args_parser().parse_args(argv)
+    from gpu_check_phases import PHASES
+
+    if args.phase is not None:
+        return run_phase(args, PHASES)
+    names = list(PHASES) if args.phases is None else [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = [n for n in names if n not in PHASES]
+    if unknown:
+        print(f"gpu_check: unknown phase(s) {unknown}; phases: {list(PHASES)}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "shape": "tiny" if args.tiny else "llama-3.1-8b", "batch": 1,
-                    "max_len": sh.max_len, "dtype": str(sh.dtype).removeprefix("torch."), "steps": steps,
-                    "cases": []}
+    rows_path = args.out / ROWS
+    rows_path.unlink(missing_ok=True)
+    driver = Rows(rows_path, "driver")
+    start = time.perf_counter()
+    processes = not args.dry_run if args.processes is None else args.processes
+    if args.dry_run:
+        os.environ["STATIC_DECODE_CPU_KERNEL"] = "0"  # the GPU script's logic, not the CPU kernel's build
+    with tempfile.TemporaryDirectory(prefix="gpu_check_cache_") as cache_dir:  # cold: nothing compiled before
+        for name in names:
+            left = TOTAL_S - (time.perf_counter() - start)
+            budget = DRY_BUDGET_S if args.dry_run else min(PHASES[name][0], left)
+            if budget < 15:
+                driver.add("phase", name=name, rc=None, seconds=0, skipped="no time left")
+                continue
+            t0 = time.perf_counter()
+            if processes:
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", name, "--out", str(args.out),
+                       "--budget", str(budget), "--cache-dir", cache_dir, "--started", str(time.time())]
+                try:
+                    rc = subprocess.run(cmd + (["--dry-run"] if args.dry_run else []), timeout=budget).returncode
+                except subprocess.TimeoutExpired:
+                    rc = 124
+            else:
+                rc = run_phase(args, PHASES, name=name, budget=budget, cache_dir=Path(cache_dir))
+            driver.add("phase", name=name, rc=rc, seconds=round(time.perf_counter() - t0, 1), budget_s=budget,
+                       process="own" if processes else "driver")
+            write_summary(args.out)
+    summary = write_summary(args.out)
+    print((args.out / TABLE).read_text())
+    phases_ok = all(p["rc"] == 0 for p in summary["phases"].values() if p.get("rc") is not None)
+    return 0 if summary["correct"] and phases_ok else 1
 
-    def save() -> None:
-        (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
-        (args.out / "gpu_check.md").write_text(table(result))
 
-    timer = Timer(device)
-    weights = sum(p.numel() for p in Llama(sh.config, device="meta").parameters()) * torch.finfo(sh.dtype).bits // 8
-    result["copy_bytes_per_s"] = copy_bandwidth(device, min(4 << 30, 4 * weights) or 1 << 20, timer)
-    save()
+def run_phase(args: argparse.Namespace, phases: dict, *, name: str | None = None, budget: float | None = None,
+              cache_dir: Path | None = None) -> int:
+    """One phase in this process; its deadline counts from `--started` (the launch, imports included)."""
+    from gpu_check_phases import Ctx
 
-    if not args.attention_only:
-        run_model(args, sh, steps, device, timer, result, save)
-    if not args.no_attention:
-        result["attention"] = attention(sh, steps, device, result["copy_bytes_per_s"], args.backend)
-        save()
-    print(table(result))
+    name = name or args.phase
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (use --dry-run on the CPU)", file=sys.stderr)
+        return 2
+    budget = budget if budget is not None else args.budget if args.budget is not None else phases[name][0]
+    started = time.perf_counter() - (time.time() - args.started if args.started else 0.0)
+    rows_path = args.out / ROWS
+    rows = Rows(rows_path, name)
+    cache_dir = cache_dir or args.cache_dir or Path(tempfile.mkdtemp(prefix="gpu_check_cache_"))
+    ctx = Ctx(dry=args.dry_run, device=device, rows=rows, deadline=started + budget - 5, cache_dir=cache_dir,
+              rows_path=rows_path)
+    try:
+        phases[name][1](ctx)
+    except Exception as e:  # noqa: BLE001 - the phase's failure is a row; the next phase still runs
+        import traceback
+
+        traceback.print_exc()
+        rows.add("phase_error", error=error_text(e))
+        return 1
     return 0
 
 
-def attention(sh: Shape, steps: int, device: torch.device, copy_bytes_per_s: float, backend: str) -> list[dict]:
-    """Decode attention alone at the shape's head layout, every impl, at each live length (profiles/
-    attention_bench.py), as a fraction of the copy rate. Eager impls first; flex compiled (CUDA only)."""
-    from static_decode.attention import CPU_ONLY, IMPLS
-    from static_decode.commands.bench_systems import load_profiles_module
+# ---- the summary ------------------------------------------------------------------------------------------------
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The decision file: every key present whatever ran (None / {} where a phase left nothing)."""
+    def of(kind: str, **match: Any) -> list[dict[str, Any]]:
+        return [r for r in rows if r.get("kind") == kind and all(r.get(k) == v for k, v in match.items())]
 
-    ab = load_profiles_module("attention_bench")  # profiles/attention_bench.py, beside this file
-
-    cfg = sh.config
-    ab.HQ, ab.HKV, ab.HEAD_DIM = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    eager = tuple(i for i in IMPLS if i != "flex" and (device.type == "cpu" or i not in CPU_ONLY))
-    kw = {"dtype": sh.dtype, "device": device, "repeats": 5, "bandwidth_gbps": copy_bytes_per_s / 1e9}
-    runs = [(impl, False) for impl in eager]
-    if device.type == "cuda" and backend == "inductor":
-        runs += [(impl, True) for impl in ("flex", "sdpa_folded", "split_key")]
-    rows = []
-    for impl, compiled in runs:
-        # One impl at a time: a formulation that fails on this device (split_key's CUDA kernel has not run on a
-        # GPU yet) costs its own rows, not the rest of a scarce GPU session.
-        try:
-            rows += ab.attention_rows(sh.lengths, (impl,), compiled=compiled, **kw)
-        except Exception as e:  # noqa: BLE001 - recorded per row and reported
-            why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
-            rows += [{"impl": impl + ("+compile" if compiled else ""), "length": n, "error": why} for n in sh.lengths]
-    for r in rows:
-        print(json.dumps(r), flush=True)
-    return rows
-
-
-def run_model(args: argparse.Namespace, sh: Shape, steps: int, device: torch.device, timer: Timer, result: dict,
-              save) -> None:
-    """The Llama-3.1-8B-shaped model: eager, CUDA graphs (bucketed) and a full-length read, per live length."""
-    torch.manual_seed(0)
-    t0 = time.perf_counter()
-    model = Llama(sh.config, dtype=sh.dtype, device=device)  # random init, directly on the device
-    model.requires_grad_(False)
-    result["init_s"] = round(time.perf_counter() - t0, 1)
-    result["weight_bytes"] = weight_bytes_per_token(model)
-    save()
-    ladder = BucketLadder.default(sh.max_len) if not args.tiny else BucketLadder.geometric(sh.max_len, align=16)
-    buckets = {n: ladder.bucket_for(n + steps) for n in sh.lengths}
-    graph_ladder = BucketLadder(tuple(sorted(set(buckets.values()) | {sh.max_len})))
-    settings = None if args.backend == "inductor" else CompileSettings(backend=args.backend)
-    opts = CaptureOptions(buckets=graph_ladder, settings=settings, kinds=("decode_greedy",), progress=False)
-    eager = Generator(model, max_len=sh.max_len, batch=1, eos_token_ids=[])
-    t0 = time.perf_counter()
-    graphs = Generator(model, max_len=sh.max_len, batch=1, compile=True, eos_token_ids=[], capture=opts)
-    result["capture_s"] = round(time.perf_counter() - t0, 1)
-    result["ladder"] = list(graph_ladder.lengths)
-    save()
-
-    for live in sh.lengths:
-        for name, gen, read_len in (
-            ("eager", eager, None), ("graphs", graphs, buckets[live]), ("full", graphs, sh.max_len),
-        ):
-            seconds = time_decode(gen, live, steps, read_len, timer)
-            useful = result["weight_bytes"] + kv_bytes(sh.config, live + steps // 2, sh.dtype)
-            result["cases"].append({
-                "mode": name, "live": live, "read_len": read_len or live + steps, "ms_per_token": seconds * 1e3,
-                "useful_gb_per_s": useful / seconds / 1e9,
-                "fraction_of_copy": useful / seconds / result["copy_bytes_per_s"],
-            })
-            save()
-            print(json.dumps(result["cases"][-1]), flush=True)
+    env = (of("env") or [{}])[-1]
+    copy = (of("copy") or [{}])[-1].get("gbps")
+    decode = [r for r in of("decode", setting="default") if r.get("phase") == "model" and "ms" in r]
+    attention: dict[str, dict[str, float]] = {}
+    for r in of("attention"):
+        if "fraction" in r:
+            name = r["impl"] + ("+compile" if r.get("compiled") else "")
+            attention.setdefault(name, {})[str(r["live"])] = r["fraction"]
+    capture = {p: of("capture", process=p) for p in ("cold", "warm")}
+    graphs: dict[str, list[int]] = {}
+    pool: dict[str, float] = {}
+    for r in capture["cold"]:
+        g = graphs.setdefault(r["step"], [0, 0])
+        g[0] += r["graphs"]
+        g[1] += 1
+        pool[r["step"]] = pool.get(r["step"], 0.0) + (r.get("pool_bytes") or 0) / 2**20
+    correct_rows = of("correct")
+    phases = {r["name"]: {k: r.get(k) for k in ("rc", "seconds", "budget_s", "skipped")} for r in of("phase")}
+    for r in of("phase_error"):
+        phases.setdefault(r["phase"], {})["error"] = r["error"]
+    wanted_checks = {"attention", "greedy_model", "greedy_embedded"}
+    checked = {r.get("check") for r in correct_rows}
+    failed = (of("formulations_failed") or [{}])[-1].get("failed", {})
+    return {
+        "torch": env.get("torch"),
+        "device": env.get("device"),
+        "copy_gbps": copy,
+        "decode_ms": {str(r["live"]): r["ms"] for r in decode},
+        "copy_fraction": {str(r["live"]): r["copy_fraction"] for r in decode},
+        "attention_fraction": attention,
+        "capture_s_cold": _seconds(capture["cold"]),
+        "capture_s_warm": _seconds(capture["warm"]),
+        "capture_s_per_kind": {p: _per_kind(capture[p]) for p in capture},
+        "graphs_per_kind": graphs,  # kind -> [graphs compiled, buckets recorded], cold process
+        "graph_pool_mib": {k: round(v, 1) for k, v in pool.items()},
+        "correct": bool(correct_rows) and all(r.get("ok") for r in correct_rows) and wanted_checks <= checked,
+        "correct_failed": [r for r in correct_rows if not r.get("ok")],
+        "formulations_failed": failed,
+        "variants_ms": _variants(of("decode")),
+        "recommended": recommend(of("decode"), attention, failed),
+        "phases": phases,
+    }
 
 
-def time_decode(gen: Generator, live: int, steps: int, read_len: int | None, timer: Timer) -> float:
-    """Seconds per greedy decode step from `live` cached tokens, `steps` steps back to back (warm-up first).
-
-    read_len None: the eager step reading exactly the live length (+ the steps of this run)."""
-    from static_decode.steps import STEPS
-
-    cache, bufs = gen.cache, gen.bufs
-    fn = STEPS["decode_greedy"] if read_len is None else gen.step_fn("decode_greedy", read_len)
-    n = read_len if read_len is not None else live + steps
-
-    def reset() -> None:
-        cache.lens.fill_(live)  # the cached K/V values do not change the work; only the lengths matter
-        cache.host_lens[:] = live
-        bufs.done.zero_()
-        bufs.step.zero_()
-        bufs.limit.fill_(steps)  # rows stay live for the whole run (a request's max_new_tokens would end them)
-        bufs.next.fill_(1)
-
-    def run_all() -> None:
-        for _ in range(steps):
-            fn(gen.model, cache, bufs, n)
-
-    with torch.no_grad():
-        reset()
-        run_all()  # warm-up
-        reset()
-        seconds = timer(run_all, 1) / steps
-    reset()
-    cache.reset()
-    return seconds
+def _seconds(records: list[dict[str, Any]]) -> float | None:
+    return round(sum(r["seconds"] for r in records), 1) if records else None
 
 
-def table(result: dict) -> str:
-    copy = result.get("copy_bytes_per_s", 0) / 1e9
-    lines = [
-        f"# gpu_check: {result['shape']} on {result['device']}, torch {result['torch']}",
-        "",
-        f"batch {result['batch']}, max_len {result['max_len']}, {result['dtype']}, {result['steps']} steps per "
-        f"case; weights read per token {result.get('weight_bytes', 0) / 1e9:.2f} GB; device copy "
-        f"{copy:.0f} GB/s (read + write); capture {result.get('capture_s', '-')} s; ladder {result.get('ladder')}",
-        "",
-        "| live | mode | read_len | ms/token | GB/s (weights + live KV) | of copy |",
-        "| ---: | --- | ---: | ---: | ---: | ---: |",
-    ]
-    for c in result["cases"]:
-        lines.append(f"| {c['live']} | {c['mode']} | {c['read_len']} | {c['ms_per_token']:.3f} | "
-                     f"{c['useful_gb_per_s']:.0f} | {c['fraction_of_copy']:.0%} |")
-    if result.get("attention"):
-        lines += ["", "decode attention alone (one layer, one query per head), live K/V bytes / best time:", "",
-                  "| impl | live | ms | GB/s | of copy |", "| --- | ---: | ---: | ---: | ---: |"]
-        for r in result["attention"]:
-            if "error" in r:
-                lines.append(f"| {r['impl']} | {r['length']} | failed: {r['error']} | | |")
-                continue
-            lines.append(f"| {r['impl']} | {r['length']} | {r['ms']:.4f} | {r['gbps']:.0f} | "
-                         f"{r['bandwidth_fraction']:.0%} |")
+def _per_kind(records: list[dict[str, Any]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r in records:
+        out[r["step"]] = round(out.get(r["step"], 0.0) + r["seconds"], 1)
+    return out
+
+
+def _variants(decode_rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for r in decode_rows:
+        if r.get("phase") == "variants" and "ms" in r:
+            out.setdefault(r["setting"], {})[str(r["live"])] = r["ms"]
+    return out
+
+
+def recommend(decode_rows: list[dict[str, Any]], attention: dict[str, dict[str, float]],
+              failed: dict[str, str]) -> dict[str, Any]:
+    """The settings the rows argue for: a variant replaces the default where its median decode time over the live
+    lengths is SPEED_MARGIN faster; the attention formulation with the best whole-step time among those that
+    compiled (else the best attention-alone fraction)."""
+    ms = _variants(decode_rows)
+
+    def median(name: str) -> float | None:
+        return statistics.median(ms[name].values()) if ms.get(name) else None
+
+    base = median("default")
+
+    def faster(name: str) -> bool | None:
+        other = median(name)
+        return None if base is None or other is None else other < base * (1 - SPEED_MARGIN)
+
+    formulations = {"flex": median("default"), "split_key": median("split_key"), "sdpa_folded": median("sdpa_folded")}
+    timed = {k: v for k, v in formulations.items() if v is not None and k not in failed}
+    if timed:
+        best_attention = min(timed, key=timed.get)
+    elif attention:
+        best_attention = max(attention, key=lambda k: statistics.median(attention[k].values()))
+    else:
+        best_attention = None
+    static, unfused, coord = faster("static_read_len"), faster("unfused_projections"), faster("coordinate_descent")
+    return {
+        "attention": best_attention,
+        "symbolic_read_len": None if static is None else not static,
+        "fused_projections": None if unfused is None else not unfused,
+        "coordinate_descent_tuning": coord,
+        "basis": "median decode ms over the live lengths per variant; a change needs "
+                 f"{SPEED_MARGIN:.0%} over the default",
+    }
+
+
+def write_summary(out: Path) -> dict[str, Any]:
+    import json
+
+    summary = summarize(read_rows(out / ROWS))
+    (out / SUMMARY).write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    (out / TABLE).write_text(table(summary))
+    return summary
+
+
+def table(s: dict[str, Any]) -> str:
+    lines = [f"# gpu_check: torch {s['torch']} on {s['device']}", "",
+             f"copy {s['copy_gbps']} GB/s; correct: {s['correct']}; capture cold {s['capture_s_cold']} s, warm "
+             f"{s['capture_s_warm']} s; graphs per kind {s['graphs_per_kind']}; graph pool MiB {s['graph_pool_mib']}",
+             "", "| live | decode ms | of copy |", "| ---: | ---: | ---: |"]
+    lines += [f"| {n} | {ms} | {s['copy_fraction'].get(n)} |" for n, ms in s["decode_ms"].items()]
+    lines += ["", "| attention (alone) | " + " | ".join(f"{n}" for n in _lengths(s["attention_fraction"])) + " |"]
+    for impl, by_len in s["attention_fraction"].items():
+        cells = (str(by_len.get(n, "")) for n in _lengths(s["attention_fraction"]))
+        lines.append(f"| {impl} | " + " | ".join(cells) + " |")
+    lines += ["", "| variant (decode ms) | " + " | ".join(_lengths(s["variants_ms"])) + " |"]
+    for name, by_len in s["variants_ms"].items():
+        lines.append(f"| {name} | " + " | ".join(str(by_len.get(n, "")) for n in _lengths(s["variants_ms"])) + " |")
+    lines += ["", f"recommended: {s['recommended']}", f"phases: {s['phases']}"]
+    if s["correct_failed"]:
+        lines += ["", f"failed checks: {s['correct_failed']}"]
     return "\n".join(lines) + "\n"
+
+
+def _lengths(by_name: dict[str, dict[str, Any]]) -> list[str]:
+    return sorted({n for v in by_name.values() for n in v}, key=int)
 
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -32,7 +32,15 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
-from gpu_check import Timer, copy_bandwidth, kv_bytes, parser, shape, time_decode, weight_bytes_per_token  # noqa: E402
+from gpu_check_common import (  # noqa: E402
+    Timer,
+    copy_bandwidth,
+    kv_bytes,
+    parser,
+    shape,
+    time_decode,
+    weight_bytes_per_token,
+)
 
 from capture import BucketLadder, CaptureOptions, CompileSettings  # noqa: E402
 from static_decode import Generator, Llama  # noqa: E402

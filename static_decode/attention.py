@@ -74,6 +74,73 @@ def _threads() -> int:
 _threads._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+# ---- CUDA decode and verify steps ----------------------------------------------------------------------------
+# A one-call attention gives a batch-1 decode step B * Hkv work items (8 for Llama-3.1-8B on 132 SMs: K/V read at
+# ~5% of an H200's bandwidth past 1k, profiles/RESULTS.md). Decode and verify steps on CUDA therefore take a
+# formulation that splits the key axis over the SMs, in this order of preference:
+#   "flex": inductor's flex-decoding Triton template (query length < 128, a power-of-two group: its GQA block holds
+#           the group's query heads together; head_dim a power of two >= 16), only inside a compile (eager flex is
+#           PyTorch's unfused reference);
+#   "split_key": blocks of keys through SDPA's memory-efficient kernel plus one combine (any shape, eager too);
+#   "sdpa_folded": the one-call formulation, where the others failed to compile.
+# A formulation that fails to compile in this process (`formulation_failed`, the capture registry's retry) is
+# skipped from then on: the step compiles again with the next one, never falling back to an eager step.
+CUDA_DECODE_ORDER = ("flex", "split_key", "sdpa_folded")
+FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FAILED: dict[str, str] = {}  # formulation -> why it failed to compile in this process
+
+
+def formulation_failed(impl: str, why: str) -> None:
+    """Record that `impl` failed to compile here: CUDA steps resolve past it from now on."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    _FAILED.setdefault(impl, why)
+
+
+def failed_formulations() -> dict[str, str]:
+    """Formulations that failed to compile in this process, with the first line of why."""
+    return dict(_FAILED)
+
+
+def _failed_now() -> frozenset[str]:
+    return frozenset(_FAILED)
+
+
+# A constant of the trace like `_threads`: a graph keeps the formulation it compiled with (no guard on the failures
+# recorded later, so a kind that compiled does not recompile when another kind's formulation fails).
+_failed_now._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def flex_fits(groups: int, query_len: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether inductor's flex-decoding template takes a step of this shape (torch/_inductor/kernel/flex/
+    flex_decoding.py: query length < 128, a power-of-two count of query heads per KV head; head_dim >= 16, a power of
+    two here so that no padding path is needed)."""
+    def pow2(n: int) -> bool:
+        return n > 0 and n & (n - 1) == 0
+
+    return pow2(groups) and 0 < query_len < 128 and head_dim >= 16 and pow2(head_dim) and dtype in FLEX_DTYPES
+
+
+def cuda_decode_impl(
+    groups: int,
+    query_len: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    *,
+    compiling: bool,
+    failed: frozenset[str] | set[str] = frozenset(),
+) -> str:
+    """The formulation of a CUDA decode or verify step (CUDA_DECODE_ORDER): "flex" inside a compile where it fits,
+    else "split_key", each unless it failed to compile in this process; "sdpa_folded" last."""
+    for impl in CUDA_DECODE_ORDER:
+        if impl in failed:
+            continue
+        if impl == "flex" and not (compiling and flex_fits(groups, query_len, head_dim, dtype)):
+            continue
+        return impl
+    return "sdpa_folded"
+
+
 # Query rows per KV head up to which SDPA's CPU flash kernel makes one work item per (row, KV head): its query
 # block is 32 rows below 192 (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp). A decode step (G rows) or a short
 # verify chunk; a prefill chunk of 128 tokens has G*128 rows, enough query blocks to keep every thread busy.
@@ -88,15 +155,24 @@ def resolve_impl(
     device: torch.device,
     head_dim: int = 64,
     dtype: torch.dtype = torch.float32,
+    *,
+    groups: int | None = None,
 ) -> str:
-    """The formulation `impl` names, "auto" resolved for a step of `rows` query rows per KV head (G * T) over K/V of
-    `head_dim` and `dtype`. On the CPU, for a step of at most SPLIT_MAX_ROWS rows: "decode_kernel" where the kernel
+    """The formulation `impl` names, "auto" resolved for a step of `rows` query rows per KV head (G * T, `groups`
+    query heads per KV head; None: rows, a one-token step) over K/V of `head_dim` and `dtype`. On CUDA, decode and
+    verify steps (at most SPLIT_MAX_ROWS rows) split the key axis (`cuda_decode_impl`), and a formulation that
+    failed to compile here gives way to the next one, named or not. On the CPU, for a step of at most SPLIT_MAX_ROWS rows: "decode_kernel" where the kernel
     takes the shapes and is built (SmolLM2-135M decode attention at 8k keys, 30 layers, 2 threads: 20 ms against
     split_key's 32 and sdpa_folded's 38, profiles/RESULTS.md); else "split_key" when the batch's KV heads, the work
     items SDPA's CPU kernel then has, do not spread evenly over torch's threads (SmolLM2 at 8k: 9% faster than
     sdpa_folded; Llama-3.1-8B's 8 KV heads: 2-4% slower); else "sdpa_folded", as for prefill chunks (384 rows:
     enough query blocks) and off the CPU (no GPU has run split_key yet; compiled CUDA steps can take "flex")."""
     kernel = cpu_kernel.supports(rows, head_dim, dtype, device)
+    if device.type == "cuda" and (impl == AUTO and rows <= SPLIT_MAX_ROWS or impl in _failed_now()):
+        G = rows if groups is None else max(1, groups)
+        return cuda_decode_impl(
+            G, max(1, rows // G), head_dim, dtype, compiling=torch.compiler.is_compiling(), failed=_failed_now()
+        )
     if impl == "decode_kernel":  # named: the kernel where it applies (and builds), the general formulation elsewhere
         return impl if kernel and cpu_kernel.available() else "sdpa_folded"
     if impl != AUTO:
@@ -286,8 +362,10 @@ def grouped_attention(
     """
     if impl not in CHOICES:
         raise ValueError(f"impl must be one of {CHOICES}, got {impl!r}")
-    rows = q.shape[1] // max(1, k.shape[1]) * q.shape[2]
-    impl = resolve_impl(impl, q.shape[0], k.shape[1], rows, q.device, q.shape[3], k.dtype)
+    groups = q.shape[1] // max(1, k.shape[1])
+    impl = resolve_impl(
+        impl, q.shape[0], k.shape[1], groups * q.shape[2], q.device, q.shape[3], k.dtype, groups=groups
+    )
     if k.shape[2] == 0 or q.shape[2] == 0:  # nothing cached, or no query slot (static shapes: fine under compile)
         return torch.zeros_like(q)
     if k.dtype != q.dtype and impl != "decode_kernel":

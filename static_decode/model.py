@@ -294,7 +294,9 @@ def step_attention(
     query rows) and its mask, built once and shared by the layers: FRESH for a fresh chunk (causal SDPA, no mask),
     None where there is nothing to mask (flex and decode_kernel evaluate their own inside the kernel; no keys or
     no slots), else `attention.step_mask` in the cache's dtype `kv_dtype`."""
-    impl = resolve_impl(impl, lens_after.shape[0], kv_heads, groups * T, lens_after.device, head_dim, kv_dtype)
+    impl = resolve_impl(
+        impl, lens_after.shape[0], kv_heads, groups * T, lens_after.device, head_dim, kv_dtype, groups=groups
+    )
     if fresh:
         return impl, FRESH
     if impl in ("flex", "decode_kernel") or read_len <= 0 or T <= 0:

@@ -288,7 +288,8 @@ def test_auto_resolves_per_device_batch_and_kv_heads(monkeypatch: pytest.MonkeyP
         assert resolve_impl("auto", 1, 3, 32, cpu) == "split_key"  # a short verify chunk: one query block
         assert resolve_impl("auto", 1, 3, 3 * 128, cpu) == "sdpa_folded"  # a prefill chunk: query blocks enough
         assert resolve_impl("auto", 1, 8, 4, cpu) == resolve_impl("auto", 2, 3, 3, cpu) == "sdpa_folded"
-        assert resolve_impl("auto", 1, 3, 3, cuda) == "sdpa_folded"
+        assert resolve_impl("auto", 1, 3, 3, cuda) == "split_key"  # eager CUDA decode: split keys (flex compiled)
+        assert resolve_impl("auto", 1, 3, 3 * 128, cuda) == "sdpa_folded"  # a CUDA prefill chunk
         assert resolve_impl("matmul", 1, 3, 3, cpu) == "matmul"  # a named formulation is kept
         torch.set_num_threads(1)
         assert resolve_impl("auto", 1, 3, 3, cpu) == "sdpa_folded"
@@ -341,3 +342,81 @@ def test_split_key_cuda_partials_logic_on_cpu() -> None:
     assert seen["bias"] == (N, nb, M, Sb) and lse.shape == (N, nb, M)
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+# ---- CUDA decode and verify steps: the key-splitting formulations ----------------------------------------------
+@pytest.mark.parametrize("impl", ["flex", "split_key"])
+@pytest.mark.parametrize("T", [1, 4])
+def test_cuda_decode_formulations_match_the_reference(monkeypatch: pytest.MonkeyPatch, impl: str, T: int) -> None:
+    """What a CUDA decode (T=1) or verify (T=4) step runs, at its shape there: a power-of-two group (flex's
+    constraint), head_dim 16, a read of whole blocks past the live keys, ragged rows of which one appends nothing
+    (padded: all zeros) and one a partial chunk; small split blocks so that the combine spans several. Against the
+    float64 numpy reference, on the CPU (flex: PyTorch's eager reference of the same score_mod)."""
+    import static_decode.split_attention as split
+    from static_decode.attention import grouped_attention
+
+    monkeypatch.setattr(split, "SPLIT_BLOCK", 8)
+    rng = np.random.default_rng(11 + T)
+    B, hkv, g, d, S = 3, 2, 4, 16, 48
+    k, v = torch.from_numpy(rng.standard_normal((2, B, hkv, S + 1, d)))  # [B, Hkv, S + spare, d]
+    q = torch.from_numpy(rng.standard_normal((B, hkv * g, T, d)) * 3.0)
+    lens = torch.tensor([37, 9 + T, 5])
+    n_new = torch.tensor([T, max(T - 1, 1) if T > 1 else 1, 0])  # row 2 appends nothing: every slot padded
+    kr, vr = k[:, :, :S], v[:, :, :S]  # strided views, as the cache's
+    out = grouped_attention(q, kr, vr, lens, n_new, impl=impl)
+    want = attention_vectorised(q.numpy(), kr.numpy(), vr.numpy(), lens.numpy(), n_new.numpy())
+    np.testing.assert_allclose(out.numpy(), want, atol=1e-10)
+    assert not out[2].any() and (T == 1 or not out[1, :, int(n_new[1]):].any())
+
+
+def test_cuda_decode_selection_is_a_pure_function() -> None:
+    from static_decode.attention import cuda_decode_impl, flex_fits
+
+    bf16 = torch.bfloat16
+    assert cuda_decode_impl(4, 1, 128, bf16, compiling=True) == "flex"  # Llama-3.1-8B decode, compiled
+    assert cuda_decode_impl(4, 8, 128, bf16, compiling=True) == "flex"  # a verify chunk of 8
+    assert cuda_decode_impl(4, 1, 128, bf16, compiling=False) == "split_key"  # eager flex is the unfused reference
+    assert cuda_decode_impl(3, 1, 64, bf16, compiling=True) == "split_key"  # SmolLM2: a group of 3
+    assert cuda_decode_impl(4, 1, 96, bf16, compiling=True) == "split_key"  # head_dim not a power of two
+    assert cuda_decode_impl(4, 1, 8, bf16, compiling=True) == "split_key"  # head_dim under 16
+    assert cuda_decode_impl(4, 1, 128, torch.float64, compiling=True) == "split_key"
+    assert cuda_decode_impl(4, 1, 128, bf16, compiling=True, failed={"flex"}) == "split_key"
+    assert cuda_decode_impl(4, 1, 128, bf16, compiling=True, failed={"flex", "split_key"}) == "sdpa_folded"
+    assert not flex_fits(4, 128, 128, bf16) and flex_fits(1, 127, 16, torch.float16)
+
+
+def test_cuda_resolution_simulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """resolve_impl for device "cuda" (no GPU needed: nothing runs): decode and verify rows split the key axis,
+    flex inside a compile where it fits; prefill chunks keep sdpa_folded; a formulation that failed to compile is
+    resolved past, named or not."""
+    import static_decode.attention as attention
+
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    monkeypatch.setattr(attention, "_FAILED", {})
+
+    def resolve(impl: str, rows: int, groups: int | None = 4, head_dim: int = 128) -> str:
+        return attention.resolve_impl(impl, 1, 8, rows, cuda, head_dim, bf16, groups=groups)
+
+    assert resolve("auto", 4) == "split_key"  # eager
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert resolve("auto", 4) == "flex" and resolve("auto", 4 * 8) == "flex"  # decode; a verify chunk of 8
+    assert resolve("auto", 3, groups=3, head_dim=64) == "split_key"
+    assert resolve("auto", 4 * 128) == "sdpa_folded"  # a prefill chunk
+    assert resolve("auto", 4, groups=None) == "flex"  # groups unknown: a one-token step (rows = G)
+    assert resolve("matmul", 4) == "matmul"  # named and never failed: kept
+    attention.formulation_failed("flex", "LoweringException: ...")
+    assert resolve("auto", 4) == "split_key" and resolve("flex", 4) == "split_key"
+    assert attention.failed_formulations() == {"flex": "LoweringException: ..."}
+    attention.formulation_failed("split_key", "...")
+    assert resolve("auto", 4) == "sdpa_folded"
+    assert attention.resolve_impl("auto", 1, 3, 3, torch.device("cpu")) != "flex"  # the CPU is not affected
+    with pytest.raises(ValueError, match="impl must be one of"):
+        attention.formulation_failed("fastest", "")
+
+
+def test_failures_are_a_constant_of_the_trace() -> None:
+    """A compiled step keeps the formulation it compiled with: the failures are read as a trace-time constant (no
+    guard), so one kind's failure does not recompile another kind mid-request."""
+    import static_decode.attention as attention
+
+    assert attention._failed_now._dynamo_marked_constant

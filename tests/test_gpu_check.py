@@ -1,8 +1,10 @@
-"""profiles/gpu_check.py's logic runs on CPU (a tiny shape), so the GPU run cannot fail on a plain bug.
+"""profiles/gpu_check.py's logic runs on the CPU (--dry-run: every phase, a tiny shape), so the one device call
+a session may get cannot fail on a plain bug.
 
-Pins: every (live length, mode) case is measured and written to JSON and markdown; the compiled cases read
-their ladder bucket (>= live + steps, never past max_len) and "full" reads max_len; the bandwidth figures
-are computed from the bytes the step reads; the cache and lengths are left empty afterwards.
+Pins: the dry run writes the rows file, the summary (every key the device run must give, `correct` true only when
+every correctness row passed and every check ran) and the table; a phase runs in its own process on the device's
+path; rows cut short by a kill are skipped; the summary's decisions from synthetic rows (the fastest formulation
+that compiled, a setting replacing the default only past the margin); the bytes a step reads.
 
 profiles/gpu_check_tp.py (the multi-GPU check) runs under torchrun on 2 gloo CPU ranks: every (live length,
 eager/compiled) case is written with its all-reduce time and share, and each rank's cache holds half the KV
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from static_decode import Llama
 from static_decode.parallel import TensorParallel
 
 SCRIPT = Path(__file__).resolve().parents[1] / "profiles" / "gpu_check.py"
@@ -35,71 +38,133 @@ def _load(monkeypatch, script: Path = SCRIPT):
     return module
 
 
-def test_gpu_check_tiny_on_cpu(tmp_path, monkeypatch) -> None:
-    gc = _load(monkeypatch)
-    torch._dynamo.reset()
-    argv = [str(SCRIPT), "--tiny", "--device", "cpu", "--backend", "eager", "--steps", "2", "--out", str(tmp_path)]
-    monkeypatch.setattr(sys, "argv", argv)
-    try:
-        assert gc.main() == 0
-    finally:
-        torch._dynamo.reset()
-    result = json.loads((tmp_path / "gpu_check.json").read_text())
-    sh = gc.shape(tiny=True)
-    assert result["max_len"] == sh.max_len and result["steps"] == 2
-    cases = {(c["live"], c["mode"]): c for c in result["cases"]}
-    assert set(cases) == {(n, m) for n in sh.lengths for m in ("eager", "graphs", "full")}
-    for n in sh.lengths:
-        assert cases[(n, "eager")]["read_len"] == n + 2
-        assert n + 2 <= cases[(n, "graphs")]["read_len"] <= sh.max_len
-        assert cases[(n, "graphs")]["read_len"] in result["ladder"]
-        assert cases[(n, "full")]["read_len"] == sh.max_len
-    for c in cases.values():
-        assert c["ms_per_token"] > 0 and c["useful_gb_per_s"] > 0 and c["fraction_of_copy"] > 0
-    # the attention rows: every eager impl at every live length (flex only compiled on CUDA), fraction of copy
-    from static_decode.attention import IMPLS
+REQUIRED = ("torch", "device", "copy_gbps", "decode_ms", "copy_fraction", "attention_fraction", "capture_s_cold",
+            "capture_s_warm", "graphs_per_kind", "correct", "recommended")
 
-    rows = {(r["impl"], r["length"]): r for r in result["attention"]}
-    assert set(rows) == {(i, n) for i in IMPLS if i != "flex" for n in sh.lengths}
-    copy_gbps = result["copy_bytes_per_s"] / 1e9
-    for r in rows.values():  # the fraction is rounded to 3 places
-        assert math.isclose(r["bandwidth_fraction"], r["gbps"] / copy_gbps, rel_tol=2e-2, abs_tol=6e-4)
-    assert "decode attention alone" in (tmp_path / "gpu_check.md").read_text()
-    # bytes read per token: every weight once, except the untied embedding table, of which one row is gathered
-    model = gc.Llama(gc.TINY)
+
+def _dry_run(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_dry_run_writes_every_file_and_key(tmp_path, monkeypatch) -> None:
+    """`profiles/gpu_check.py --dry-run`: every phase on the CPU (tiny shape, dynamo's eager backend), the rows file,
+    and the summary with every key the device run must produce, `correct` true."""
+    gc = _load(monkeypatch)
+    from gpu_check_phases import PHASES, VARIANTS
+
+    run = _dry_run(tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert {p.name for p in tmp_path.iterdir()} == {gc.ROWS, gc.SUMMARY, gc.TABLE}
+    s = json.loads((tmp_path / gc.SUMMARY).read_text())
+    assert set(REQUIRED) <= set(s)
+    sh = gc.shape(tiny=True)
+    lengths = {str(n) for n in sh.lengths}
+    assert s["torch"] == torch.__version__ and s["device"] == "cpu" and s["copy_gbps"] > 0
+    assert set(s["decode_ms"]) == set(s["copy_fraction"]) == lengths
+    assert all(v > 0 for v in s["decode_ms"].values())
+    assert set(s["attention_fraction"]) == {"flex", "split_key", "sdpa_folded"}
+    assert all(set(by_len) == lengths for by_len in s["attention_fraction"].values())
+    assert s["capture_s_cold"] > 0 and s["capture_s_warm"] > 0
+    # One compile per kind with the symbolic read length: 1 graph per kind whatever the rungs recorded.
+    assert {k: g for k, (g, _) in s["graphs_per_kind"].items()} == {"decode_greedy": 1, "prefill": 1,
+                                                                     "first_greedy": 1}
+    assert s["correct"] is True and s["correct_failed"] == []
+    assert set(s["recommended"]) >= {"attention", "symbolic_read_len", "fused_projections",
+                                     "coordinate_descent_tuning"}
+    assert list(s["phases"]) == list(PHASES) and all(p["rc"] == 0 for p in s["phases"].values())
+    rows = gc.read_rows(tmp_path / gc.ROWS)
+    assert all({"phase", "kind", "t_s"} <= set(r) for r in rows)
+    checks = {(r["check"], r.get("impl"), r.get("live"), r.get("slots")) for r in rows if r["kind"] == "correct"}
+    assert {("attention", i, n, t) for i in ("flex", "split_key", "sdpa_folded") for n in sh.lengths
+            for t in (1, 4)} <= checks
+    assert {("greedy_model", None, None, None), ("greedy_embedded", None, None, None)} <= checks
+    variants = {r["setting"] for r in rows if r["kind"] == "decode" and r["phase"] == "variants"}
+    assert variants == {v.name for v in VARIANTS}  # measured, or a row saying why not
+    capture = [r for r in rows if r["kind"] == "capture" and r.get("process") in ("cold", "warm")]
+    assert {(r["process"], r["step"]) for r in capture} == {(p, k) for p in ("cold", "warm")
+                                                            for k in ("decode_greedy", "prefill", "first_greedy")}
+    assert "| live | decode ms | of copy |" in (tmp_path / gc.TABLE).read_text()
+
+
+def test_a_phase_in_its_own_process(tmp_path, monkeypatch) -> None:
+    """The device's way: each phase a process of its own, its rows in the same file."""
+    gc = _load(monkeypatch)
+    run = _dry_run(tmp_path, "--processes", "--phases", "env")
+    rows = gc.read_rows(tmp_path / gc.ROWS)
+    assert [r["kind"] for r in rows] == ["env", "copy", "phase"], run.stdout[-2000:] + run.stderr[-2000:]
+    assert rows[-1]["process"] == "own" and rows[-1]["rc"] == 0
+    assert run.returncode == 1  # no correctness row: the summary cannot say correct
+    assert json.loads((tmp_path / gc.SUMMARY).read_text())["correct"] is False
+
+
+def test_rows_survive_a_kill(tmp_path, monkeypatch) -> None:
+    gc = _load(monkeypatch)
+    rows = gc.Rows(tmp_path / "r.jsonl", "p")
+    rows.add("decode", live=1, ms=2.0)
+    with (tmp_path / "r.jsonl").open("a") as f:
+        f.write('{"phase": "p", "kind": "dec')  # a line cut short by the phase's timeout
+    got = gc.read_rows(tmp_path / "r.jsonl")
+    assert len(got) == 1 and got[0]["kind"] == "decode" and got[0]["ms"] == 2.0
+
+
+def _decode(setting: str, ms: dict[int, float]) -> list[dict]:
+    return [{"phase": "variants", "kind": "decode", "setting": setting, "live": n, "ms": v} for n, v in ms.items()]
+
+
+def test_summary_decides_from_the_rows(monkeypatch) -> None:
+    gc = _load(monkeypatch)
+    rows = [
+        {"phase": "env", "kind": "env", "torch": "2.11.0", "device": "NVIDIA H200"},
+        {"phase": "env", "kind": "copy", "gbps": 4000.0},
+        {"phase": "model", "kind": "decode", "setting": "default", "live": 1024, "ms": 5.0, "copy_fraction": 0.8},
+        {"phase": "model", "kind": "capture", "process": "cold", "step": "decode_greedy", "read_len": 1024,
+         "seconds": 50.0, "graphs": 1, "pool_bytes": 2**20},
+        {"phase": "model", "kind": "capture", "process": "cold", "step": "decode_greedy", "read_len": 2048,
+         "seconds": 2.0, "graphs": 0, "pool_bytes": 2**20},
+        {"phase": "model_warm", "kind": "capture", "process": "warm", "step": "decode_greedy", "read_len": 1024,
+         "seconds": 9.0, "graphs": 1},
+        {"phase": "attention", "kind": "attention", "impl": "flex", "compiled": True, "live": 8192, "fraction": 0.7},
+        {"phase": "attention", "kind": "attention", "impl": "split_key", "compiled": True, "live": 8192,
+         "error": "x"},
+        *[{"phase": "c", "kind": "correct", "check": c, "ok": True}
+          for c in ("attention", "greedy_model", "greedy_embedded")],
+        *_decode("default", {1024: 10.0, 8192: 12.0}),
+        *_decode("split_key", {1024: 9.0, 8192: 11.0}),  # faster: the attention recommended
+        *_decode("static_read_len", {1024: 9.9, 8192: 11.9}),  # within the margin: symbolic stays
+        *_decode("unfused_projections", {1024: 12.0, 8192: 14.0}),
+        *_decode("coordinate_descent", {1024: 8.0, 8192: 9.0}),
+        {"phase": "driver", "kind": "phase", "name": "variants", "rc": 124, "seconds": 90.0, "budget_s": 90},
+    ]
+    s = gc.summarize(rows)
+    assert set(REQUIRED) <= set(s)
+    assert (s["torch"], s["device"], s["copy_gbps"]) == ("2.11.0", "NVIDIA H200", 4000.0)
+    assert s["decode_ms"] == {"1024": 5.0} and s["copy_fraction"] == {"1024": 0.8}
+    assert s["attention_fraction"] == {"flex+compile": {"8192": 0.7}}  # a failed row is not a fraction
+    assert (s["capture_s_cold"], s["capture_s_warm"]) == (52.0, 9.0)
+    assert s["graphs_per_kind"] == {"decode_greedy": [1, 2]} and s["graph_pool_mib"] == {"decode_greedy": 2.0}
+    assert s["correct"] is True and s["phases"]["variants"]["rc"] == 124
+    r = s["recommended"]
+    assert (r["attention"], r["symbolic_read_len"], r["fused_projections"], r["coordinate_descent_tuning"]) == (
+        "split_key", True, True, True)
+    # A failing check, or one that never ran, makes the run not correct.
+    bad = {"phase": "c", "kind": "correct", "check": "attention", "ok": False}
+    assert gc.summarize([*rows, bad])["correct"] is False
+    assert gc.summarize([r for r in rows if r.get("check") != "greedy_embedded"])["correct"] is False
+    # A formulation that failed to compile is never recommended.
+    failed = {"phase": "model", "kind": "formulations_failed", "failed": {"split_key": "x"}}
+    assert gc.summarize([*rows, failed])["recommended"]["attention"] == "flex"
+
+
+def test_bytes_a_step_reads(monkeypatch) -> None:
+    gc = _load(monkeypatch)
+    model = Llama(gc.TINY)  # untied: the embedding table is gathered from (one row read), the head read whole
     assert not gc.TINY.tie_word_embeddings
     expected = 4 * (sum(p.numel() for p in model.parameters()) - 256 * 64 + 64)
-    assert result["weight_bytes"] == gc.weight_bytes_per_token(model) == expected
+    assert gc.weight_bytes_per_token(model) == expected
     assert gc.kv_bytes(gc.TINY, 10, torch.float32) == 2 * 2 * 2 * 10 * 16 * 4
-    assert "| live | mode | read_len |" in (tmp_path / "gpu_check.md").read_text()
-
-
-def test_an_attention_impl_that_fails_costs_only_its_rows(monkeypatch) -> None:
-    """A formulation that raises on the device (split_key's CUDA kernel is unrun so far) is recorded as failed
-    rows, named in the table, and the other impls are still measured."""
-    gc = _load(monkeypatch)
-    from static_decode.commands.bench_systems import load_profiles_module
-
-    ab = load_profiles_module("attention_bench")
-    real = ab.attention_rows
-
-    def rows(lengths, impls, **kw):
-        if impls == ("split_key",):
-            raise RuntimeError("no kernel image\nmore")
-        return real(lengths, impls, **kw)
-
-    monkeypatch.setattr(ab, "attention_rows", rows)
-    monkeypatch.setattr("static_decode.commands.bench_systems.load_profiles_module", lambda name: ab)
-    sh = gc.shape(tiny=True)
-    got = gc.attention(sh, 2, torch.device("cpu"), 10e9, "eager")
-    failed = [r for r in got if "error" in r]
-    assert failed == [{"impl": "split_key", "length": n, "error": "RuntimeError: no kernel image"} for n in sh.lengths]
-    measured = {r["impl"] for r in got if "error" not in r}
-    assert measured == {"matmul", "sdpa", "matmul_qk", "sdpa_folded", "decode_kernel"}
-    head = {"shape": "tiny", "device": "cpu", "torch": torch.__version__, "batch": 1, "max_len": sh.max_len,
-            "dtype": "float32", "steps": 2}
-    md = gc.table({**head, "cases": [], "attention": got})
-    assert f"| split_key | {sh.lengths[0]} | failed: RuntimeError: no kernel image | | |" in md
 
 
 def test_gpu_check_tp_two_gloo_ranks(tmp_path, monkeypatch) -> None:
@@ -133,9 +198,9 @@ def test_gpu_check_tp_two_gloo_ranks(tmp_path, monkeypatch) -> None:
     assert result["kv_heads_per_rank"] == cfg.num_kv_heads // 2
     world1 = 2 * cfg.num_layers * cfg.num_kv_heads * (sh.max_len + 1) * cfg.head_dim * 4
     assert result["cache_bytes_per_rank"] * 2 == world1
-    shard = gc.Llama(cfg, tp=TensorParallel(rank=0, world=2))  # building a shard needs no process group
+    shard = Llama(cfg, tp=TensorParallel(rank=0, world=2))  # building a shard needs no process group
     assert result["weight_bytes_per_rank"] == gc.weight_bytes_per_token(shard) < gc.weight_bytes_per_token(
-        gc.Llama(cfg)
+        Llama(cfg)
     )
     assert "| live | mode | read_len | ms/token | all-reduce ms/step | all-reduce share |" in (
         tmp_path / "gpu_check_tp2.md"
