@@ -241,15 +241,19 @@ def test_errors_have_openai_bodies_and_change_nothing(server, ref):
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
 
 
-def test_chat_without_template_is_refused():
+@pytest.fixture(scope="module")
+def plain_server():
+    """The embedded model as it is: no chat template."""
     s = Server(default_model_path())
-    try:
-        r = _post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
-        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
-        ok = _post(s, "/v1/completions", {"prompt": "def ", "max_tokens": 3})
-        assert ok.status_code == 200
-    finally:
-        s.stop()
+    yield s
+    s.stop()
+
+
+def test_chat_without_template_is_refused(plain_server):
+    r = _post(plain_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+    ok = _post(plain_server, "/v1/completions", {"prompt": "def ", "max_tokens": 3})
+    assert ok.status_code == 200
 
 
 def test_prefix_reuse_on_completions(server, ref):
@@ -329,9 +333,8 @@ def test_concurrent_clients_answered_or_refused(server, ref):
                     out.append((r.status_code, r.json()["choices"][0]["text"] == expected[prompt], None))
         return out
 
-    for _ in range(2):  # warm: the server's allocations reach their steady state
-        with ThreadPoolExecutor(clients) as pool:
-            list(pool.map(one_client, range(clients)))
+    with ThreadPoolExecutor(clients) as pool:  # warm: the server's allocations reach their steady state
+        list(pool.map(one_client, range(clients)))
     rss0 = server.rss_kb()
     with ThreadPoolExecutor(clients) as pool:
         results = [x for xs in pool.map(one_client, range(clients)) for x in xs]
@@ -341,6 +344,7 @@ def test_concurrent_clients_answered_or_refused(server, ref):
     assert {status for status, _, _ in results} <= {200, 429}
     assert all(code == "queue_full" for status, _, code in results if status == 429)
     assert sum(status == 200 for status, _, _ in results) >= clients  # every client got answers
+    print(f"server RSS {rss0} -> {rss1} KiB over {len(results)} requests")
     assert rss1 - rss0 < 16 * 1024, (rss0, rss1)  # KiB: flat, not growing with the requests served
 
 
@@ -371,17 +375,10 @@ def _shutdown(s: Server, sig: int, ref) -> None:
     assert code == 0 and took < 1.0, (code, took)
 
 
-def test_sigterm_stops_within_a_second(chat_model, ref):
-    s = Server(chat_model)
-    try:
-        _shutdown(s, signal.SIGTERM, ref)
-    finally:
-        s.stop()
+# The last tests: each stops its server (the fixtures' teardown then finds it gone).
+def test_sigint_stops_within_a_second(plain_server, ref):
+    _shutdown(plain_server, signal.SIGINT, ref)
 
 
-def test_sigint_stops_within_a_second(chat_model, ref):
-    s = Server(chat_model)
-    try:
-        _shutdown(s, signal.SIGINT, ref)
-    finally:
-        s.stop()
+def test_sigterm_stops_within_a_second(server, ref):
+    _shutdown(server, signal.SIGTERM, ref)
