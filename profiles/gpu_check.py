@@ -23,7 +23,9 @@ what it measured); after each phase $OUT/gpu_check_summary.json and gpu_check.md
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -103,10 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             if processes:
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", name, "--out", str(args.out),
                        "--budget", str(budget), "--cache-dir", cache_dir, "--started", str(time.time())]
-                try:
-                    rc = subprocess.run(cmd + (["--dry-run"] if args.dry_run else []), timeout=budget).returncode
-                except subprocess.TimeoutExpired:
-                    rc = 124
+                rc = run_process(cmd + (["--dry-run"] if args.dry_run else []), budget)
             else:
                 rc = run_phase(args, PHASES, name=name, budget=budget, cache_dir=Path(cache_dir))
             driver.add("phase", name=name, rc=rc, seconds=round(time.perf_counter() - t0, 1), budget_s=budget,
@@ -116,6 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     print((args.out / TABLE).read_text())
     phases_ok = all(p["rc"] == 0 for p in summary["phases"].values() if p.get("rc") is not None)
     return 0 if summary["correct"] and phases_ok else 1
+
+
+def run_process(cmd: list[str], budget: float) -> int:
+    """Run a phase's process; past its budget kill it and everything it started (inductor's compile workers)."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait(timeout=budget)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return 124
 
 
 def run_phase(args: argparse.Namespace, phases: dict, *, name: str | None = None, budget: float | None = None,

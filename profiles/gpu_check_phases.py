@@ -31,6 +31,7 @@ from gpu_check_common import (
 )
 
 from capture import BucketLadder, CaptureOptions, CompileSettings
+from capture import _dynamo_counters as dc
 from static_decode import Generator, Llama
 from static_decode import attention as attn
 from static_decode.steps import GREEDY_KINDS
@@ -115,6 +116,9 @@ def formulations(device: torch.device) -> list[tuple[str, bool]]:
 def _attention_fn(compiled: bool, dry: bool) -> Callable[..., torch.Tensor]:
     if not compiled:
         return attn.grouped_attention
+    # One graph per (formulation, shape), all on grouped_attention's code: far more than dynamo's default limit,
+    # past which it would run the rest eagerly and time the wrong thing.
+    dc.raise_recompile_limit(256)
     return torch.compile(attn.grouped_attention, dynamic=False, fullgraph=True, backend="eager" if dry else "inductor")
 
 
