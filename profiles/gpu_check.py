@@ -55,7 +55,7 @@ from gpu_check_common import (  # noqa: E402,F401 - re-exported for gpu_check_tp
 )
 
 ROWS, SUMMARY, TABLE = "gpu_check_rows.jsonl", "gpu_check_summary.json", "gpu_check.md"
-TOTAL_S = 460  # every phase of a device run, python start-up included (the command's limit is 8 minutes)
+TOTAL_S = 450  # every phase of a device run, python start-up included (the command's limit is 8 minutes)
 DRY_BUDGET_S = 60  # per phase on the dry run
 SPEED_MARGIN = 0.02  # a setting replaces the default only where it decodes this much faster
 

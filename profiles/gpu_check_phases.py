@@ -367,13 +367,15 @@ def phase_variants(ctx: Ctx) -> None:
             ctx.rows.add("decode", setting=v.name, error=error_text(e))
 
 
-# name -> (budget on the device in seconds, function); run in this order (the driver cuts the last to what is left)
+# name -> (budget on the device in seconds, python start-up included, function); run in this order, the driver
+# cutting the last ones to what is left of gpu_check.TOTAL_S. A later call can run the phases a first one cut short:
+# `profiles/gpu_check.py --phases attention,variants` (about 3 minutes).
 PHASES: dict[str, tuple[float, Callable[[Ctx], None]]] = {
-    "env": (25, phase_env),
-    "correct_attention": (45, phase_correct_attention),
-    "model": (200, phase_model),
+    "env": (20, phase_env),
+    "correct_attention": (40, phase_correct_attention),
+    "model": (220, phase_model),
     "model_warm": (60, phase_model_warm),
-    "embedded": (35, phase_embedded),
-    "attention": (45, phase_attention),
-    "variants": (90, phase_variants),
+    "embedded": (30, phase_embedded),
+    "attention": (40, phase_attention),
+    "variants": (120, phase_variants),
 }

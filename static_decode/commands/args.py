@@ -86,6 +86,15 @@ def speculation(args: argparse.Namespace, model: Llama) -> Speculation | None:
 
 
 
+def add_quantize_argument(p: argparse.ArgumentParser) -> None:
+    """--quantize (generate, demo, chat, bench, capture-report): weight-only int8 / int4 (static_decode.quant)."""
+    from static_decode.quant import CHOICES
+
+    p.add_argument("--quantize", default=None, choices=CHOICES,
+                   help="weight-only quantization of every projection and the LM head: int8 (per output channel) "
+                   "or int4 (groups of 32; int4-g64 / int4-g128); CPU")
+
+
 def name_list(text: str) -> tuple[str, ...]:
     """Comma-separated names ("prefill,decode_greedy"), e.g. --kinds, --systems."""
     return tuple(t for t in text.replace(" ", "").split(",") if t)
