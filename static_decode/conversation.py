@@ -52,6 +52,7 @@ class Conversation:
         seed: int | None = None,
         stop_at_eos: bool = True,
         read_every: int | None = None,
+        repeat_penalty: float | None = None,
     ) -> Iterator[int]:
         """Append `ids` (the next turn, already rendered and tokenized) and stream the reply's token ids.
 
@@ -75,8 +76,9 @@ class Conversation:
         req = check_request(
             feed, max_new, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
             vocab_size=gen.model.config.vocab_size, max_len=gen.max_len - len(self.history), max_batch=None,
-            draft_slots=drafts,
+            draft_slots=drafts, repeat_penalty=repeat_penalty,
         )
+        gen.check_penalty(req)
         every = gen.read_every if read_every is None else check_int("read_every", read_every, minimum=1)
         pieces = gen._run(req, every, keep_cache=self._epoch is not None)
         return self._turn(pieces, feed)

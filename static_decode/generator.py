@@ -188,6 +188,7 @@ class Generator:
         self.bufs = StepBuffers.allocate(
             batch, self.chunk_size, self.max_len, m.config.hidden_size, len(self.eos_token_ids),
             dtype=m.dtype, device=m.device, draft_tokens=K, draft_vocab=draft_vocab, long_chunk=self.long_chunk,
+            vocab=m.config.vocab_size,
         )
         steps = dict(STEPS)
         if spec is not None:
@@ -203,10 +204,18 @@ class Generator:
 
     # ---- requests ---------------------------------------------------------------------------------------
     def _check(self, prompt: object, max_new_tokens: int, **kw: object) -> Request:
-        return check_request(
+        req = check_request(
             prompt, max_new_tokens, **kw, vocab_size=self.model.config.vocab_size, max_len=self.max_len,
             max_batch=self.fixed_batch, draft_slots=self.draft_slots,
         )
+        self.check_penalty(req)
+        return req
+
+    def check_penalty(self, req: Request) -> None:
+        """A repetition penalty changes the target's distribution token by token, which a verify step's drafts
+        were not drawn from: refused with speculation."""
+        if req.repeat_penalty != 1.0 and self.speculate is not None:
+            raise ValueError(f"repeat_penalty={req.repeat_penalty} is not supported with speculative decoding")
 
     @property
     def draft_slots(self) -> int:
@@ -223,14 +232,16 @@ class Generator:
         top_p: float | None = None,
         seed: int | None = None,
         stop_at_eos: bool = True,
+        repeat_penalty: float | None = None,
     ) -> list[int] | list[list[int]]:
         """New token ids for a prompt (a list of ids) or for each prompt of a ragged batch (a list of lists).
 
         Greedy when temperature is 0; otherwise sampled on the device (top_k / top_p optional), reproducibly
-        when `seed` is given. A row stops after it emits an EOS id (included) when stop_at_eos.
+        when `seed` is given. A row stops after it emits an EOS id (included) when stop_at_eos. repeat_penalty
+        (> 0; None or 1 = off) penalises every token the row has fed or emitted (static_decode.sampling.penalize).
         """
         req = self._check(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                          stop_at_eos=stop_at_eos)
+                          stop_at_eos=stop_at_eos, repeat_penalty=repeat_penalty)
         out: list[list[int]] = [[] for _ in req.rows]
         for piece in self._run(req, self.read_every):
             for b, toks in enumerate(piece):
@@ -248,12 +259,13 @@ class Generator:
         seed: int | None = None,
         stop_at_eos: bool = True,
         read_every: int | None = None,
+        repeat_penalty: float | None = None,
     ) -> Iterator[int] | Iterator[list[list[int]]]:
         """Like `generate`, but yields tokens as they are read back: every `read_every` steps (default: the
         generator's), and the first token as soon as it exists. For a single prompt it yields token ids one by
         one; for a batch, one list of new ids per row at each read. The request is checked before this returns."""
         req = self._check(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                          stop_at_eos=stop_at_eos)
+                          stop_at_eos=stop_at_eos, repeat_penalty=repeat_penalty)
         every = self.read_every if read_every is None else check_int("read_every", read_every, minimum=1)
         pieces = self._run(req, every)
         return pieces if not req.single else (t for piece in pieces for t in piece[0])
@@ -270,6 +282,7 @@ class Generator:
         if not keep_cache:
             cache.reset()
             self.epoch += 1
+            bufs.seen.zero_()  # a continued conversation keeps the tokens of its earlier turns marked
         seed = self.model.tp.shared_random_bits(64) if req.seed is None else req.seed  # same on every rank
         R = len(req.rows)
         bufs.done.copy_(torch.from_numpy(np.arange(B) >= R))  # spare rows are done from the start
@@ -289,6 +302,12 @@ class Generator:
         bufs.top_k.fill_(req.top_k or 0)
         bufs.top_p.fill_(1.0 if req.top_p is None else req.top_p)
         bufs.seed.copy_(torch.tensor([sampling.row_seed(seed, b) for b in range(B)], dtype=torch.int64))
+        bufs.repeat_penalty.fill_(req.repeat_penalty)
+        width = max(len(r) for r in req.rows)
+        marks = np.full((B, width), bufs.seen.shape[1] - 1, dtype=np.int64)  # the trash column past the vocabulary
+        for b, row in enumerate(req.rows):
+            marks[b, : len(row)] = row
+        bufs.seen.scatter_(1, torch.from_numpy(marks).to(bufs.seen.device), True)  # the prompt counts as seen
         eos = list(self.eos_token_ids) if req.stop_at_eos else []
         bufs.eos.copy_(torch.tensor(eos + [-1] * (bufs.eos.shape[0] - len(eos)), dtype=torch.int64))
 
@@ -384,7 +403,7 @@ class Generator:
             self.stats = GenerationStats(
                 prompt_tokens=req.prompt_tokens, new_tokens=int(emitted.sum()), prefill_s=t1 - t0,
                 decode_s=t2 - t1, decode_steps=steps, verify_steps=0 if policy is None else policy.verify_steps,
-                accepted_per_step=0.0 if policy is None else policy.accepted_per_step,
+                accepted_per_step=0.0 if policy is None else policy.accepted_per_step, rows=R,
             )
         finally:
             if not complete:  # abandoned or failed: leave a consistent, empty cache

@@ -24,7 +24,7 @@ GIB = 1024**3
 MEMINFO = Path("/proc/meminfo")
 INT64 = 8  # bytes of the int64 buffers (token ids, lengths, counters, seeds)
 FLOAT32 = 4  # bytes of the float32 sampling buffers (temperature, top_p)
-BOOL = 1  # bytes of the bool `done` buffer
+BOOL = 1  # bytes of the bool buffers (`done`, `seen`)
 
 
 def cache_bytes(
@@ -49,9 +49,10 @@ def buffer_bytes(
     draft_tokens: int = 0,
     draft_vocab: int = 0,
     long_chunk: int = 0,
+    vocab: int = 0,
 ) -> int:
     """Bytes of `StepBuffers.allocate(batch, chunk_size, capacity, width, eos_slots, dtype=dtype,
-    draft_tokens=draft_tokens, draft_vocab=draft_vocab, long_chunk=long_chunk)`."""
+    draft_tokens=draft_tokens, draft_vocab=draft_vocab, long_chunk=long_chunk, vocab=vocab)`."""
     int64_elems = (
         batch * chunk_size  # chunk
         + batch * long_chunk  # long_chunk
@@ -64,8 +65,9 @@ def buffer_bytes(
         + max(eos_slots, 1)  # eos (at least one entry, so the EOS test has a shape)
         + batch * draft_tokens  # draft
     )
-    float32_elems = 2 * batch + batch * draft_tokens * draft_vocab  # temperature, top_p; draft_probs
-    return int64_elems * INT64 + batch * width * _itemsize(dtype) + batch * BOOL + float32_elems * FLOAT32
+    float32_elems = 3 * batch + batch * draft_tokens * draft_vocab  # temperature, top_p, repeat_penalty; draft_probs
+    bool_elems = batch + batch * (vocab + 1)  # done; seen (with its trash column)
+    return int64_elems * INT64 + batch * width * _itemsize(dtype) + bool_elems * BOOL + float32_elems * FLOAT32
 
 
 def generation_bytes(
@@ -84,15 +86,16 @@ def generation_bytes(
 ) -> int:
     """Device bytes a Generator allocates for `batch` rows of `max_len` tokens: the KV cache (with its one spare
     position; in `kv_dtype`, default `dtype`) plus the step buffers, whose output holds max_len tokens per row (a
-    draft model's own cache is `cache_bytes` of its config, added by the caller). Python ints: no overflow however
-    large max_len is."""
+    draft model's own cache is `cache_bytes` of its config, added by the caller; `seen` spans the config's
+    vocabulary). Python ints: no overflow however large max_len is."""
     batch = check_int("batch", batch, minimum=0)
     max_len = check_int("max_len", max_len, minimum=1)
     chunk_size = check_int("chunk_size", chunk_size, minimum=1)
     eos_slots = check_int("eos_slots", eos_slots, minimum=0)
     kv = dtype if kv_dtype is None else kv_dtype
     return cache_bytes(config, batch, max_len, kv, kv_heads=kv_heads) + buffer_bytes(
-        batch, chunk_size, max_len, config.hidden_size, eos_slots, dtype, draft_tokens, draft_vocab, long_chunk
+        batch, chunk_size, max_len, config.hidden_size, eos_slots, dtype, draft_tokens, draft_vocab, long_chunk,
+        config.vocab_size,
     )
 
 

@@ -26,6 +26,7 @@ class Request:
     top_p: float | None
     seed: int | None
     stop_at_eos: bool
+    repeat_penalty: float = 1.0  # 1 = off
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +50,7 @@ def check_request(
     top_p: object = None,
     seed: object = None,
     stop_at_eos: bool = True,
+    repeat_penalty: object = None,
     vocab_size: int,
     max_len: int,
     max_batch: int | None = None,
@@ -89,9 +91,14 @@ def check_request(
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if seed is not None:
         check_int("seed", seed, minimum=0)
+    if repeat_penalty is None:
+        repeat_penalty = 1.0
+    elif (isinstance(repeat_penalty, bool) or not isinstance(repeat_penalty, int | float | np.floating)
+          or not 0 < repeat_penalty < 1e30):
+        raise ValueError(f"repeat_penalty must be a finite number > 0 (1 = off), got {repeat_penalty!r}")
     return Request(
         rows=[[int(t) for t in r] for r in rows], single=single, max_new_tokens=max_new,
         temperature=float(temperature), top_k=None if top_k is None else int(top_k),
         top_p=None if top_p is None else float(top_p), seed=None if seed is None else int(seed),
-        stop_at_eos=bool(stop_at_eos),
+        stop_at_eos=bool(stop_at_eos), repeat_penalty=float(repeat_penalty),
     )

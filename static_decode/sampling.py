@@ -12,6 +12,11 @@ value stays below 2**48), so:
 Per row: temperature [B] (0 = greedy argmax), top_k [B] (<= 0 = off), top_p [B] (>= 1 = off), applied in
 transformers' order: temperature, then top-k, then top-p on the remaining probabilities. With temperature 0,
 top-k and top-p are ignored (as transformers' do_sample=False ignores them).
+
+The repetition penalty (`penalize`, CTRL's and llama.cpp's definition) comes before all of them: the logit of a
+token already seen is divided by the penalty when positive and multiplied by it when negative, so a penalty
+above 1 makes every seen token less likely, whatever its sign. Which tokens were seen is a device mask [B, V]
+the steps keep up to date, so applying it reads nothing back.
 """
 
 from __future__ import annotations
@@ -66,6 +71,15 @@ def uniform(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
     key2 = mix32(key ^ SEED_SALT)  # [B]
     h = mix32(mix32(v[None, :] ^ key[:, None]) ^ key2[:, None])  # [B, V], two keyed rounds
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in float32, never 0 or 1
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with row b's seen tokens (seen [B, V] bool) penalised by penalty[b] ([B] float32; 1 = off):
+    divided when positive, multiplied when not. Float32 out (the input's values exactly where nothing changes)."""
+    logits = logits.to(torch.float32)
+    p = penalty[:, None]  # [B, 1]
+    hit = torch.where(logits > 0, logits / p, logits * p)  # [B, V]
+    return torch.where(seen, hit, logits)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,9 @@ hist[b, plen[b] + i] (hist holds the request's prompt, then its output: what pro
 may emit several tokens per row (a speculative verify step) or none (a row that is done), so the rows' counters
 drift apart. A row that emitted an EOS id, or its `limit` of tokens, is `done`: later steps feed it nothing
 (n_new = 0, so its cache row and length stay put) and write only to the trash column past the output.
+
+Every token a row has fed or emitted is marked in `seen` (the prompt by the host, the output by `emit`), and the
+token-choosing steps penalise those logits by the row's `repeat_penalty` first (sampling.penalize; 1 = off).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ class StepBuffers:
     long chunk size (0: no long chunks),
     N the output capacity (max_len), D the model width, E the number of EOS ids (at least 1; -1 entries match
     nothing), K the draft tokens of a speculative verify step (0 without speculation), Q the vocabulary of a draft
-    model's probabilities (0 unless a draft model samples). `out` and `hist` have one column more than they can
+    model's probabilities (0 unless a draft model samples), V the vocabulary of `seen` (0: no repetition penalty,
+    for callers that allocate steps without a model). `out` and `hist` have one column more than they can
     fill: masked writes of a fixed-shape step land there (column N), and the host never reads it.
     """
 
@@ -63,6 +67,8 @@ class StepBuffers:
     top_p: torch.Tensor  # [B] float32, >= 1 = off
     seed: torch.Tensor  # [B] int64 per-row 32-bit seed (sampling.row_seed)
     eos: torch.Tensor  # [E] int64 EOS ids, -1 = unused entry
+    seen: torch.Tensor  # [B, V + 1] bool tokens fed or emitted so far (column V: trash; V = 0: no penalty kept)
+    repeat_penalty: torch.Tensor  # [B] float32 the repetition penalty, 1 = off
 
     @classmethod
     def allocate(
@@ -78,6 +84,7 @@ class StepBuffers:
         draft_tokens: int = 0,
         draft_vocab: int = 0,
         long_chunk: int = 0,
+        vocab: int = 0,
     ) -> StepBuffers:
         def z(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dt, device=device)
@@ -102,6 +109,8 @@ class StepBuffers:
             top_p=z(batch, dt=torch.float32),
             seed=z(batch),
             eos=z(max(eos_slots, 1)) - 1,
+            seen=z(batch, vocab + 1, dt=torch.bool),
+            repeat_penalty=z(batch, dt=torch.float32) + 1,
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -155,6 +164,9 @@ def emit(bufs: StepBuffers, tokens: torch.Tensor, count: torch.Tensor) -> None:
     bufs.next.copy_(torch.where(n[:, None] > 0, last, bufs.next))  # done rows keep a valid id
     bufs.step.add_(n)
     bufs.live_steps.add_((n > 0).to(torch.int64))
+    V = bufs.seen.shape[1] - 1  # a shape: static in a trace
+    if V > 0:
+        bufs.seen.scatter_(1, torch.where(keep, tokens, V), True)
     ended = (is_eos & (t[None, :] < n[:, None])).any(dim=-1) | (bufs.step >= bufs.limit)  # [B]
     bufs.done.copy_(bufs.done | ended)
     count.copy_(n)
@@ -165,8 +177,16 @@ def _emit(bufs: StepBuffers, token: torch.Tensor) -> None:
     emit(bufs, token[:, None], (~bufs.done).to(torch.int64))
 
 
+def _penalized(logits: torch.Tensor, bufs: StepBuffers) -> torch.Tensor:
+    """logits [B, V] with the repetition penalty applied to each row's seen tokens (unchanged without `seen`)."""
+    if bufs.seen.shape[1] - 1 != logits.shape[-1]:
+        return logits
+    return sampling.penalize(logits, bufs.seen[:, :-1], bufs.repeat_penalty)
+
+
 def _choose(logits: torch.Tensor, bufs: StepBuffers) -> torch.Tensor:
-    """[B] tokens sampled from logits [B, V]; row b's draw is keyed by (seed[b], step[b])."""
+    """[B] tokens sampled from logits [B, V] (penalised); row b's draw is keyed by (seed[b], step[b])."""
+    logits = _penalized(logits, bufs)
     return sampling.sample(logits, bufs.temperature, bufs.top_k, bufs.top_p, bufs.seed, bufs.step)
 
 
@@ -177,7 +197,7 @@ def sample_first(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len
 
 def greedy_first(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
     """`sample_first` for an all-greedy request."""
-    _emit(bufs, sampling.greedy(model.head(bufs.hidden)))
+    _emit(bufs, sampling.greedy(_penalized(model.head(bufs.hidden), bufs)))
 
 
 def decode_one(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
@@ -191,7 +211,7 @@ def greedy_one(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: 
     """`decode_one` for an all-greedy request."""
     n_new = (~bufs.done).to(torch.int64)  # [B]
     logits = model.step(bufs.next, cache, n_new, read_len)[:, 0]  # [B, V]
-    _emit(bufs, sampling.greedy(logits))
+    _emit(bufs, sampling.greedy(_penalized(logits, bufs)))
 
 
 def read_rows(

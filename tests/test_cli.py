@@ -8,6 +8,7 @@ summary goes to stderr; user errors exit with status 2 and a message naming the 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import types
@@ -61,7 +62,7 @@ def test_generate_prompt_ids(plain, capsys):
     assert rc == 0
     expected = Generator(load_model(plain), max_len=20).generate(PROMPT_IDS, 12)
     assert out.splitlines() == ["prompt ids: 3,1,4,1,5,9,2,6", "new ids: " + " ".join(map(str, expected))]
-    assert "prefill" in err and "ms per decoded token" in err and "tokens/s" in err
+    assert "load" in err and "prefill" in err and "ms per decoded token" in err and "tokens/s" in err
 
 
 def test_generate_text_through_the_tokenizer(texty, capsys):
@@ -186,3 +187,248 @@ def test_generate_long_chunk_flag(plain, capsys):
         assert out.splitlines()[1] == "new ids: " + " ".join(map(str, expected))
     rc, _, err = run(capsys, *base, "--long-chunk", "2")
     assert rc == 2 and "long_chunk=2 must exceed chunk_size=2" in err and "Traceback" not in err
+
+
+# ---- the habits of a llama.cpp user: threads, system, stop, prompt file, penalty, special tokens, Ctrl-C -----------
+
+SPECIAL = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def special(tmp_path_factory):
+    """A byte-level checkpoint whose tokenizer has the special token <|im_end|> (id 256, the EOS), and a model that
+    emits it right after the prompt "hello" (its lm_head row is the first greedy token's, scaled up)."""
+    import json
+
+    import torch
+
+    from tests.checkpoints import hf_greedy
+
+    tok = byte_tokenizer()
+    tok.add_special_tokens([SPECIAL])
+    hf = hf_llama(seed=44, vocab=257, eos=256)
+    ids = tok.encode("hello").ids
+    first = hf_greedy(hf, ids, 1, eos=None)[0]
+    with torch.no_grad():
+        hf.lm_head.weight[256] = 1.5 * hf.lm_head.weight[first]
+    assert hf_greedy(hf, ids, 3, eos=256) == [256]  # the test depends on it
+    path = save(hf, tmp_path_factory.mktemp("special"))
+    tok.save(str(path / "tokenizer.json"))
+    (path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": SPECIAL}))
+    assert tok.token_to_id(SPECIAL) == 256
+    return path
+
+
+@pytest.mark.parametrize("chat", [[], ["--chat"]])
+def test_special_tokens_are_hidden_unless_asked_for(special, capsys, chat):
+    base = ["generate", "--model", str(special), "--prompt", "hello", "--max-new-tokens", "4", *chat]
+    rc, out, err = run(capsys, *base)
+    assert rc == 0, err
+    shown = "" if chat else "hello"  # --chat shows only the reply
+    assert out == shown + "\n"
+    rc, out, _ = run(capsys, *base, "--show-special")
+    assert rc == 0 and out == shown + SPECIAL + "\n"
+
+
+def test_timing_line_shows_load_prefill_and_per_token_time(plain, capsys):
+    rc, _, err = run(capsys, "generate", "--model", str(plain), "--prompt-ids", "3,1,4,1,5,9,2,6",
+                     "--max-new-tokens", "12", "--device", "cpu")
+    assert rc == 0
+    line = err.strip().splitlines()[-1]
+    assert re.fullmatch(r"load \d+\.\d\d s, prefill \d+\.\d ms \(8 tokens\), \d+\.\d\d ms per decoded token "
+                        r"\(11 tokens\), \d+\.\d tokens/s \(12 new tokens\)", line), line
+
+
+def test_timing_line_puts_speculative_steps_in_brackets(plain, capsys):
+    rc, _, err = run(capsys, "generate", "--model", str(plain), "--prompt-ids", "3,1,4,1,3,1,4,1,3,1,4",
+                     "--max-new-tokens", "16", "--device", "cpu", "--speculate", "prompt-lookup:3:2")
+    assert rc == 0
+    m = re.search(r"ms per decoded token \(15 tokens \[(\d+) steps, (\d+) verify steps at", err)
+    assert m is not None, err
+    assert int(m.group(1)) < 15  # what the brackets are for: fewer steps than tokens
+
+
+def test_stop_string_cuts_the_output(texty, capsys):
+    base = ["generate", "--model", str(texty), "--prompt", "def f(x):", "--max-new-tokens", "24"]
+    rc, full, _ = run(capsys, *base)
+    reply = full[len("def f(x):") : -1]
+    assert rc == 0 and len(reply) >= 8
+    stop = reply[5:8]
+    cut = reply[: reply.index(stop)]
+    rc, out, err = run(capsys, *base, "--stop", stop)
+    assert rc == 0, err
+    assert out == "def f(x):" + cut + "\n" and "stopped at a --stop string" in err
+    rc, out, _ = run(capsys, *base, "--stop", "never in it \x01", "--stop", stop)  # either of several
+    assert out == "def f(x):" + cut + "\n"
+
+
+def test_prompt_file_equals_prompt(texty, tmp_path, capsys, monkeypatch):
+    import io
+
+    f = tmp_path / "prompt.txt"
+    f.write_text("def g(y):\n    return")
+    base = ["generate", "--model", str(texty), "--max-new-tokens", "8"]
+    want = run(capsys, *base, "--prompt", f.read_text())[1]
+    assert run(capsys, *base, "-f", str(f))[1] == want
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f.read_text()))
+    assert run(capsys, *base, "--prompt-file", "-")[1] == want
+    rc, _, err = run(capsys, *base, "-f", str(tmp_path / "missing.txt"))
+    assert rc == 2 and "missing.txt" in err and "Traceback" not in err
+
+
+def test_repeat_penalty_flag_equals_the_generator(plain, capsys):
+    rc, out, _ = run(capsys, "generate", "--model", str(plain), "--prompt-ids", "3,1,4,1,5,9,2,6",
+                     "--max-new-tokens", "12", "--repeat-penalty", "1.5")
+    assert rc == 0
+    want = Generator(load_model(plain), max_len=20).generate(PROMPT_IDS, 12, repeat_penalty=1.5)
+    assert want != Generator(load_model(plain), max_len=20).generate(PROMPT_IDS, 12)
+    assert out.splitlines()[1] == "new ids: " + " ".join(map(str, want))
+    rc, _, err = run(capsys, "generate", "--model", str(plain), "--prompt-ids", "1", "--repeat-penalty", "0")
+    assert rc == 2 and "repeat_penalty" in err
+
+
+def test_system_message_is_rendered_before_the_prompt(special, capsys):
+    from static_decode.chat_template import load_chat_template
+
+    rc, out, err = run(capsys, "generate", "--model", str(special), "--system", "be brief. ", "--prompt", "hi",
+                       "--max-new-tokens", "6", "--show-special")
+    assert rc == 0, err
+    tok = byte_tokenizer()
+    tok.add_special_tokens([SPECIAL])
+    text = load_chat_template(special).render([{"role": "system", "content": "be brief. "},
+                                               {"role": "user", "content": "hi"}])
+    assert text == "be brief. hi"
+    ids = Generator(load_model(special), max_len=40).generate(tok.encode(text).ids, 6)
+    assert out == tok.decode(ids, skip_special_tokens=False) + "\n"
+
+
+def test_max_len_zero_and_a_directory_without_config_are_refused(plain, tmp_path, capsys):
+    for value in ("0", "-1"):
+        rc, _, err = run(capsys, "generate", "--model", str(plain), "--prompt-ids", "1,2", "--max-len", value)
+        assert rc == 2 and f"--max-len must be >= 1 (or left out for the default), got {value}" in err, err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for cmd in (["generate", "--prompt-ids", "1"], ["chat"], ["capture-report"]):
+        rc, _, err = run(capsys, cmd[0], "--model", str(empty), *cmd[1:])
+        assert rc == 2 and f"no config.json in {empty}" in err and "Traceback" not in err, (cmd, err)
+
+
+def test_demo_says_what_the_toy_model_is(texty, capsys, monkeypatch):
+    monkeypatch.setattr(generate, "default_model_path", lambda: texty)
+    rc, _, err = run(capsys, "demo", "--max-new-tokens", "4")
+    assert rc == 0 and err.startswith(generate.DEMO_NOTE) and "Python-looking text" in err
+
+
+def _interrupt(argv: list[str], ready: str, where: str, tmp_path: Path, **env: str) -> tuple[int, str, str]:
+    """Run the CLI in a subprocess, send SIGINT to its process group (as a terminal's Ctrl-C does) once `ready`
+    shows in its stdout or stderr (`where`), and return the status, stdout and stderr (ANSI codes stripped).
+    `ready` comes after the CPU kernels are built: a build interrupted halfway would leave its lock behind."""
+    import os
+    import signal
+    import time
+
+    files = {name: tmp_path / f"{name}.txt" for name in ("stdout", "stderr")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    with open(files["stdout"], "w") as out, open(files["stderr"], "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "static_decode", *argv], stdout=out, stderr=err, env=env,
+                                cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+        deadline = time.monotonic() + 600
+        while ready not in files[where].read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # inside the work now, not at its edge
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    text = {k: re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", f.read_text()) for k, f in files.items()}
+    return rc, text["stdout"], text["stderr"]
+
+
+@pytest.mark.skipif(not (default_model_path() / "model.safetensors").is_file(), reason="not trained yet")
+def test_ctrl_c_during_demo_is_one_line_and_status_130(tmp_path):
+    rc, out, err = _interrupt(["demo", "--max-new-tokens", "1500", "--read-every", "1"], "def ", "stdout", tmp_path)
+    assert rc == 130, err
+    assert err.strip().splitlines() == [generate.DEMO_NOTE, "static-decode demo: interrupted"]
+    assert out.startswith("def ")
+
+
+@pytest.mark.skipif(not (default_model_path() / "model.safetensors").is_file(), reason="not trained yet")
+def test_ctrl_c_during_capture_is_one_line_and_status_130(tmp_path):
+    # FORCE_COLOR: rich draws its progress bar live, as on a terminal, so "capture" shows while it compiles
+    rc, _, err = _interrupt(["capture-report", "--max-len", "64", "--kinds", "prefill,decode"], "capture", "stderr",
+                            tmp_path, FORCE_COLOR="1")
+    assert rc == 130, err
+    assert err.strip().splitlines()[-1] == "static-decode capture-report: interrupted"
+    assert "Traceback" not in err and "Error" not in err, err
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def talky(texty, tmp_path_factory):
+    """texty with a chat template."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("talky") / "model"
+    shutil.copytree(texty, path)
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return path
+
+
+def _chat(capsys, monkeypatch, argv: list[str], stdin: str) -> tuple[int, str, str]:
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    return run(capsys, "chat", *argv)
+
+
+def test_chat_first_turn_claims_no_earlier_turns(talky, capsys, monkeypatch):
+    rc, _, err = _chat(capsys, monkeypatch, ["--model", str(talky), "--max-new-tokens", "4"], "hi\n")
+    assert rc == 0
+    assert re.search(r"\[turn 1: prefilled \d+ tokens from scratch; 4 new; \d+\.\d\d ms per decoded token", err), err
+    assert "changed earlier turns" not in err
+
+
+def test_chat_system_message_opens_the_conversation(talky, capsys, monkeypatch):
+    from static_decode.chat_template import load_chat_template
+
+    rc, _, err = _chat(capsys, monkeypatch, ["--model", str(talky), "--max-new-tokens", "4", "--system", "terse"],
+                       "hi\n/reset\nhi\n")
+    assert rc == 0
+    rendered = load_chat_template(talky).render([{"role": "system", "content": "terse"},
+                                                 {"role": "user", "content": "hi"}])
+    assert rendered.startswith("<system>terse\n<user>hi")
+    counts = re.findall(r"prefilled (\d+) tokens", err)
+    assert counts == [str(len(rendered.encode()))] * 2  # and again after /reset
+
+
+def test_chat_stop_string_cuts_a_reply_and_the_next_turn_says_why(talky, capsys, monkeypatch):
+    argv = ["--model", str(talky), "--max-new-tokens", "12"]
+    rc, out, _ = _chat(capsys, monkeypatch, argv, "hi\n")
+    reply = out.splitlines()[0]
+    assert rc == 0 and len(reply) >= 6
+    stop = reply[3:5]
+    cut = reply[: reply.index(stop)]
+    rc, out, err = _chat(capsys, monkeypatch, [*argv, "--stop", stop], "hi\nmore\n")
+    assert rc == 0, err
+    assert out.splitlines()[0] == cut
+    assert "[turn 1: stopped at a --stop string" in err
+    assert "[turn 2: prefilled" in err and "from scratch (a stop string cut the last reply)" in err
+
+
+def test_a_wide_table_is_whole_when_piped(capsys):
+    from rich.table import Table
+
+    from static_decode.commands.capture_report import print_whole
+
+    table = Table(title="wide")
+    headers = [f"column number {i}" for i in range(14)]
+    for h in headers:
+        table.add_column(h)
+    table.add_row(*[f"value {i} " * 3 for i in range(14)])
+    print_whole(table)  # capsys: stdout is not a terminal
+    out = capsys.readouterr().out
+    assert all(h in out for h in headers) and "…" not in out
+    assert all(f"value {i} value {i} value {i}" in out for i in range(14))

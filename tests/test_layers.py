@@ -23,7 +23,7 @@ CORE = {
     for name in ("attention", "cache", "chat_template", "checks", "config", "cpu_kernel", "exports", "fused_decode",
                  "loading", "memory", "model", "quant",
                  "parallel", "progress", "projection", "ranges", "reference", "rope", "sampling", "speculation",
-                 "split_attention", "steps", "verify")
+                 "split_attention", "steps", "stop_strings", "verify")
 }
 GENERATOR = {"static_decode", "static_decode.conversation", "static_decode.generator", "static_decode.prefix_cache",
              "static_decode.request",

@@ -31,7 +31,8 @@ def test_generation_bytes_equals_a_real_allocation(dtype, batch, max_len, chunk,
     c = small_config()
     cache = StaticKVCache(batch, c.num_kv_heads, max_len, c.head_dim, layers=c.num_layers, dtype=dtype)
     bufs = StepBuffers.allocate(
-        batch, chunk, max_len, c.hidden_size, eos, dtype=dtype, device=torch.device("cpu"), long_chunk=long
+        batch, chunk, max_len, c.hidden_size, eos, dtype=dtype, device=torch.device("cpu"), long_chunk=long,
+        vocab=c.vocab_size,
     )
     want = memory.generation_bytes(c, batch, max_len, chunk, eos, dtype, long_chunk=long)
     assert want == allocated_bytes(cache, bufs)

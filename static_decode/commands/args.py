@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,87 @@ from static_decode.verify import speculative_kinds
 
 if TYPE_CHECKING:
     import torch
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """Every usable core but one (at least one): see DEFAULT_THREADS_HELP."""
+    return max(1, usable_cores() - 1)
+
+
+# torch's own default (a thread per core) collapses when another process keeps one core busy: the threads meet at a
+# barrier after every op, and one of them waits for the busy core each time. Leaving one core free keeps a loaded
+# machine within ~2x of its quiet speed (measured on SmolLM2-135M; profiles/RESULTS.md, "Threads").
+DEFAULT_THREADS_HELP = "every core but one"
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1 (--threads)."""
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from e
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    """-t/--threads (every command that runs a model)."""
+    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N",
+                   help="CPU threads for torch and the CPU kernels (default: OMP_NUM_THREADS when set, else "
+                   f"{DEFAULT_THREADS_HELP})")
+
+
+def apply_threads(args: argparse.Namespace) -> int:
+    """Set torch's intra-op threads (the CPU kernels' at::parallel_for uses the same pool) from --threads or the
+    default; return the count."""
+    import torch
+
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        if os.environ.get("OMP_NUM_THREADS"):  # the user's own setting: torch has already taken it
+            return torch.get_num_threads()
+        threads = default_threads()
+    torch.set_num_threads(threads)
+    return threads
+
+
+def check_checkpoint(path: Path, what: str = "--model") -> Path:
+    """`path` if it is a checkpoint directory (it holds config.json), else a FileNotFoundError naming what is
+    missing: the directory itself, or its config.json."""
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}: no such directory ({what})")
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint at {path}: not a directory ({what} takes a checkpoint directory)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {path} ({what}: a checkpoint directory holds config.json and "
+                                "the weights)")
+    return path
+
+
+def check_max_len(max_len: int | None) -> None:
+    """--max-len, when given, is a cache length: 0 or less is refused (never read as "the default")."""
+    if max_len is not None and max_len < 1:
+        raise ValueError(f"--max-len must be >= 1 (or left out for the default), got {max_len}")
+
+
+def add_text_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of what is printed and where a reply stops (generate, demo, chat)."""
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the output contains TEXT (not printed); repeatable")
+    p.add_argument("--repeat-penalty", type=float, default=None, metavar="P",
+                   help="divide the positive logits of tokens already seen by P, multiply the negative ones "
+                   "(CTRL's / llama.cpp's penalty; default: off, 1.0; 1.1 is a common choice)")
+    p.add_argument("--show-special", action="store_true",
+                   help="print special tokens (e.g. <|im_end|>) instead of hiding them")
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -79,8 +161,7 @@ def speculation(args: argparse.Namespace, model: Llama) -> Speculation | None:
         return PromptLookup(tokens=tokens, ngram=ngram)
     if draft_path is None:
         raise ValueError("--speculate draft needs --draft-model PATH (a checkpoint with the target's vocabulary)")
-    if not (draft_path / "config.json").is_file():
-        raise FileNotFoundError(f"no checkpoint at {draft_path} (--draft-model)")
+    check_checkpoint(draft_path, "--draft-model")
     draft = load_model(draft_path, dtype=model.dtype, device=model.device)
     return DraftModel(draft, tokens=tokens)
 

@@ -23,7 +23,14 @@ import torch
 from capture.compile_cache import cache_counts
 from capture.report import CaptureReport
 from capture.settings import CaptureOptions, CompileSettings
-from static_decode.commands.args import check_device, int_list, name_list
+from static_decode.commands.args import (
+    add_threads_argument,
+    apply_threads,
+    check_checkpoint,
+    check_device,
+    int_list,
+    name_list,
+)
 from static_decode.generator import DEFAULT_CHUNK_SIZE, Generator
 from static_decode.loading import default_model_path, load_model
 
@@ -58,6 +65,19 @@ def build_report(
     return report
 
 
+def print_whole(table: Any) -> None:
+    """Print a rich table with every column: as wide as the terminal allows on one, at its natural width when
+    stdout is a pipe or a file (rich would otherwise assume 80 columns and drop or squeeze some)."""
+    from rich.console import Console
+
+    console = Console()
+    if console.is_terminal:
+        Console(width=max(100, console.width)).print(table)
+        return
+    natural = Console(width=100_000).measure(table).maximum
+    Console(width=natural, soft_wrap=False).print(table)
+
+
 def _settings(args: Any, device: Any, launch: Any) -> CompileSettings | None:
     """--read-len over the device default (None: the runner picks the default itself)."""
     if args.read_len is None:
@@ -68,13 +88,11 @@ def _settings(args: Any, device: Any, launch: Any) -> CompileSettings | None:
 
 def run_capture_report(args: Any) -> int:
     """The CLI command: build, print the table, optionally write JSON and check against a baseline."""
-    from rich.console import Console
-
     launch = getattr(args, "launch", None)  # under torchrun: this rank's shard, device and collectives
+    if launch is None or args.threads is not None:  # under torchrun the launcher shares the cores by default
+        apply_threads(args)
     device = launch.device if launch else check_device(args.device)  # a device this machine lacks fails first
-    path = args.model or default_model_path()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
+    path = check_checkpoint(args.model or default_model_path())
     baseline = CaptureReport.read_json(args.check) if args.check else None  # a bad baseline fails first
     model = load_model(path, dtype=args.dtype, device=device, **({"tp": launch.tp} if launch else {}))
     report = build_report(
@@ -85,7 +103,7 @@ def run_capture_report(args: Any) -> int:
     report.meta["model"] = "embedded default" if args.model is None else str(path)
     if launch is not None:
         report.meta["tensor_parallel"] = {"world": launch.tp.world, "backend": launch.backend}
-    Console(width=max(100, Console().width)).print(report.table())  # rank 0's (the others print to /dev/null)
+    print_whole(report.table())  # rank 0's (the others print to /dev/null)
     if args.json and (launch is None or launch.is_main):
         report.write_json(args.json)
     if baseline is None:
@@ -124,4 +142,5 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
                    help="persistent compile cache directory: a later run with the same DIR skips inductor's work")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_threads_argument(p)
     p.set_defaults(run=run_capture_report, distributed=True)

@@ -5,7 +5,9 @@ turn goes to stderr. `/reset` starts over; end of input (Ctrl-D) ends the sessio
 with the checkpoint's chat template at every turn, and only what is new since the cached tokens is fed: when the
 rendered text starts with the text of the cached tokens, the rest is tokenized and appended (the previous reply's
 tokens stay exactly as the model produced them); otherwise (a template that rewrites earlier turns) the whole
-rendering is prefilled again, and the stderr line says so.
+rendering is prefilled again, and the stderr line says so. `--system TEXT` opens every conversation with a system
+message; `--stop TEXT` cuts a reply at TEXT (the conversation keeps the reply as shown, and the next turn prefills
+the whole rendering again, since the cache held the cut tokens).
 """
 
 from __future__ import annotations
@@ -18,7 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from static_decode.chat_template import ChatTemplate, load_chat_template
-from static_decode.commands.args import add_speculation_arguments, capture_options, check_device, speculation
+from static_decode.commands.args import (
+    add_speculation_arguments,
+    add_text_arguments,
+    add_threads_argument,
+    apply_threads,
+    capture_options,
+    check_checkpoint,
+    check_device,
+    check_max_len,
+    speculation,
+)
 from static_decode.commands.streaming import write_stream
 from static_decode.conversation import Conversation
 from static_decode.generator import DEFAULT_CHUNK_SIZE, Generator
@@ -30,21 +42,39 @@ DEFAULT_MAX_LEN = 4096  # cache positions for the whole conversation (capped by 
 class ChatSession:
     """Messages, their rendering, and the conversation on the generator's cache."""
 
-    def __init__(self, gen: Generator, tokenizer: Any, template: ChatTemplate) -> None:
+    def __init__(self, gen: Generator, tokenizer: Any, template: ChatTemplate, system: str | None = None) -> None:
         self.conv = Conversation(gen)
         self.tokenizer, self.template = tokenizer, template
-        self.messages: list[dict[str, str]] = []
+        self.opening = [] if system is None else [{"role": "system", "content": system}]
+        self.messages: list[dict[str, str]] = list(self.opening)
         self.reused = False  # whether the last turn appended to the cached conversation
+        self.rescan = ""  # why the last turn prefilled the whole conversation again ("": it did not, or turn 1)
+        self._was_cut = False  # the previous reply was cut by a stop string (the cache no longer holds it)
+        self.turns = 0  # turns taken since the start or the last /reset
 
     def reset(self) -> None:
         self.conv.reset()
-        self.messages = []
+        self.messages = list(self.opening)
+        self._was_cut = False
+        self.turns = 0
+
+    def cut(self, text: str, shown: str) -> None:
+        """The reply to `text` stopped early at a stop string, `shown` being what was printed: the conversation
+        keeps it as the reply, and the next turn renders everything again (the abandoned turn reset the cache)."""
+        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": shown}]
+        self.conv.reset()
+        self.turns += 1
+        self._was_cut = True
 
     def turn_ids(self, text: str) -> list[int]:
         """The tokens to feed for user message `text`: the rendering's part past what is cached."""
         rendered = self.template.render([*self.messages, {"role": "user", "content": text}])
         cached = self.tokenizer.decode(self.conv.tokens, skip_special_tokens=False) if self.conv.tokens else ""
         self.reused = bool(cached) and rendered.startswith(cached)
+        earlier = len(self.messages) > len(self.opening)
+        self.rescan = ("" if self.reused or not earlier else "a stop string cut the last reply" if self._was_cut
+                       else "the template changed earlier turns")
+        self._was_cut = False
         if not self.reused:
             self.conv.reset()
         delta = rendered[len(cached) :] if self.reused else rendered
@@ -55,9 +85,13 @@ class ChatSession:
         ids = self.turn_ids(text)
         tokens = self.conv.send(ids, max_new_tokens, **sampling)
         reply: list[int] = []
-        for t in tokens:
-            reply.append(t)
-            yield t
+        try:
+            for t in tokens:
+                reply.append(t)
+                yield t
+        finally:  # closed early (a stop string): the conversation's turn is abandoned now, not at garbage collection
+            tokens.close()
+        self.turns += 1
         self.messages += [{"role": "user", "content": text},
                           {"role": "assistant", "content": self.tokenizer.decode(reply, skip_special_tokens=True)}]
 
@@ -69,9 +103,10 @@ def run_chat(args: argparse.Namespace) -> int:
     launch = getattr(args, "launch", None)  # set under torchrun: this rank's shard and device
     tp = launch.tp if launch is not None else SINGLE
     device = launch.device if launch is not None else check_device(args.device)
-    path = args.model or default_model_path()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
+    check_max_len(args.max_len)
+    if launch is None or args.threads is not None:  # under torchrun the launcher shares the cores by default
+        apply_threads(args)
+    path = check_checkpoint(args.model or default_model_path())
     tokenizer = load_tokenizer(path)
     if tokenizer is None:
         raise ValueError(f"chat needs a tokenizer.json in {path}")
@@ -81,13 +116,14 @@ def run_chat(args: argparse.Namespace) -> int:
                          f"in {path}")
     model = load_model(path, dtype=args.dtype, device=device, tp=tp)
     model.kv_dtype = getattr(args, "kv_dtype", None)
-    max_len = args.max_len or min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)
+    max_len = args.max_len if args.max_len is not None else min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)
     spec = speculation(args, model)
     capture = capture_options(args.compile, args.temperature, spec)
     gen = Generator(model, max_len=max_len, chunk_size=args.chunk_size, long_chunk=args.long_chunk, batch=1,
                     compile=args.compile, capture=capture, speculate=spec)
-    session = ChatSession(gen, tokenizer, template)
-    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+    session = ChatSession(gen, tokenizer, template, system=args.system)
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+                "repeat_penalty": args.repeat_penalty}
     interactive = tp.rank == 0 and sys.stdin.isatty()
     while True:
         if interactive:
@@ -104,18 +140,25 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         cached = len(session.conv.history)
         t0 = time.perf_counter()
+        turn = session.turns + 1
         try:
-            write_stream(tokenizer, session.send(text, args.max_new_tokens, **sampling), sys.stdout,
-                         skip_special_tokens=True)
+            shown = write_stream(tokenizer, session.send(text, args.max_new_tokens, **sampling), sys.stdout,
+                                 skip_special_tokens=not args.show_special, stops=args.stop)
         except ValueError as e:  # a turn that does not fit: say so, keep the session
             print(f"static-decode chat: error: {e} (/reset starts over)", file=sys.stderr)
             continue
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if shown.stopped:
+            session.cut(text, shown.text)
+            print(f"[turn {turn}: stopped at a --stop string after {len(shown.ids)} tokens; "
+                  f"{time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+            continue
         s = gen.stats
-        how = f"on {cached} cached" if session.reused else "from scratch (the template changed earlier turns)"
-        print(f"[turn {session.conv.turns}: prefilled {s.prompt_tokens} tokens {how}; {s.new_tokens} new; "
-              f"{s.ms_per_step:.2f} ms/token; {len(session.conv.tokens)} of {max_len} positions used; "
+        how = (f"on {cached} cached" if session.reused else "from scratch"
+               + (f" ({session.rescan})" if session.rescan else ""))
+        print(f"[turn {turn}: prefilled {s.prompt_tokens} tokens {how}; {s.new_tokens} new; "
+              f"{s.ms_per_token:.2f} ms per decoded token; {len(session.conv.tokens)} of {max_len} positions used; "
               f"{time.perf_counter() - t0:.2f} s]", file=sys.stderr)
 
 
@@ -139,5 +182,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="the K/V cache's dtype (default: the model's); a 16-bit cache halves long-context reads")
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message that opens the conversation")
     add_speculation_arguments(p)
+    add_text_arguments(p)
+    add_threads_argument(p)
     p.set_defaults(run=run_chat, distributed=True)

@@ -45,7 +45,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The exit status of a process ended by SIGINT (128 + 2), as shells report Ctrl-C.
+INTERRUPTED = 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command; Ctrl-C anywhere (loading, capture, decoding) ends it with one line and status 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return _interrupted(argv)
+
+
+def _interrupted(argv: Sequence[str] | None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    command = next((w for w in words if not w.startswith("-")), "")
+    with contextlib.suppress(Exception):  # stdout may be a closed pipe
+        sys.stdout.flush()
+        if sys.stdout.isatty():  # end a half-written line of output before the message
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+    print(f"static-decode{' ' + command if command else ''}: interrupted", file=sys.stderr, flush=True)
+    return INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from static_decode.commands import launch
 
     args = build_parser().parse_args(argv)

@@ -4,15 +4,32 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from static_decode.chat_template import load_chat_template
-from static_decode.commands.args import add_speculation_arguments, capture_options, check_device, int_list, speculation
+from static_decode.commands.args import (
+    add_speculation_arguments,
+    add_text_arguments,
+    add_threads_argument,
+    apply_threads,
+    capture_options,
+    check_checkpoint,
+    check_device,
+    check_max_len,
+    int_list,
+    speculation,
+)
 from static_decode.commands.streaming import write_stream
 from static_decode.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
 from static_decode.loading import default_model_path, load_model, load_tokenizer
+from static_decode.stats import GenerationStats
 
 DEMO_PROMPT = "def "
+# What `demo` says first: its output is not meant to answer anything.
+DEMO_NOTE = ("demo: the embedded model is a toy byte-level model trained on Python's standard library; it writes "
+             "Python-looking text, not answers (use --model DIR for a real model)")
 
 
 def add_generation_arguments(p: argparse.ArgumentParser, *, demo: bool = False) -> None:
@@ -22,6 +39,8 @@ def add_generation_arguments(p: argparse.ArgumentParser, *, demo: bool = False) 
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=DEMO_PROMPT if demo else None, help="text (needs tokenizer.json)")
     prompt.add_argument("--prompt-ids", type=int_list, default=None, help="prompt token ids, e.g. 1,2,3")
+    prompt.add_argument("-f", "--prompt-file", type=Path, default=None, metavar="FILE",
+                        help="read the prompt text from FILE ('-': standard input)")
     p.add_argument("--max-new-tokens", type=int, default=200 if demo else 64, help="most tokens to generate")
     p.add_argument("--max-len", type=int, default=None, help="cache length (default: prompt + new)")
     p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="prompt slots per prefill step")
@@ -40,8 +59,12 @@ def add_generation_arguments(p: argparse.ArgumentParser, *, demo: bool = False) 
                    help="the K/V cache's dtype (default: the model's); a 16-bit cache halves long-context reads")
     p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler Chrome trace of the run here")
     add_speculation_arguments(p)
+    add_text_arguments(p)
+    add_threads_argument(p)
     if not demo:
         p.add_argument("--chat", action="store_true", help="render --prompt as one user message of the chat template")
+        p.add_argument("--system", default=None, metavar="TEXT",
+                       help="a system message before the prompt (renders the chat template: implies --chat)")
 
 
 def _start_profiler(path: Path | None):  # -> torch.profiler.profile | None
@@ -57,48 +80,102 @@ def _start_profiler(path: Path | None):  # -> torch.profiler.profile | None
     return prof
 
 
+class _Clock:
+    """Times a token stream as the host sees it (for a stream closed early, which records no statistics)."""
+
+    def __init__(self, tokens: Iterator[int]) -> None:
+        self.tokens, self.times = tokens, []
+
+    def __iter__(self) -> Iterator[int]:
+        self.start = time.perf_counter()
+        try:
+            for t in self.tokens:
+                self.times.append(time.perf_counter())
+                yield t
+        finally:
+            close = getattr(self.tokens, "close", None)
+            if close is not None:
+                close()
+
+    def stats(self, prompt_tokens: int) -> GenerationStats:
+        n = len(self.times)
+        first, last = (self.times[0], self.times[-1]) if n else (self.start, self.start)
+        return GenerationStats(prompt_tokens=prompt_tokens, new_tokens=n, prefill_s=first - self.start,
+                               decode_s=last - first, decode_steps=max(n - 1, 0))
+
+
+def _prompt_text(args: argparse.Namespace) -> str | None:
+    """--prompt, or the text of --prompt-file ('-': stdin)."""
+    path = getattr(args, "prompt_file", None)
+    if path is None:
+        return args.prompt
+    if str(path) == "-":
+        return sys.stdin.read()
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompt-file {path}: no such file")
+    return path.read_text(encoding="utf-8")
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Load, generate one prompt (streaming the output), print a timing summary on stderr."""
     from static_decode.parallel import SINGLE
 
     if args.max_new_tokens < 1:  # checked first: the default max_len is derived from it
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_max_len(args.max_len)
     launch = getattr(args, "launch", None)  # set under torchrun: this rank's shard and device
+    if launch is None or args.threads is not None:  # under torchrun the launcher shares the cores by default
+        apply_threads(args)
     # A device this machine lacks fails here, before any file is read (under torchrun launch picked it already).
     device = launch.device if launch is not None else check_device(args.device)
-    path = getattr(args, "model", None) or default_model_path()
-    if not (path / "config.json").is_file():
-        hint = " (the embedded default model is not built yet)" if path == default_model_path() else ""
-        raise FileNotFoundError(f"no checkpoint at {path}{hint}")
+    path = getattr(args, "model", None)
+    if path is None:
+        path = default_model_path()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {path} (the embedded default model is not built yet)")
+    check_checkpoint(path)
+    demo = getattr(args, "command", None) == "demo"
+    if demo:
+        print(DEMO_NOTE, file=sys.stderr)
+    system = getattr(args, "system", None)
+    chat = getattr(args, "chat", False) or system is not None  # demo has neither
+    text = _prompt_text(args)
+    t0 = time.perf_counter()
     tp = launch.tp if launch is not None else SINGLE
     model = load_model(path, dtype=args.dtype, device=device, tp=tp)
     model.kv_dtype = getattr(args, "kv_dtype", None)
     tokenizer = load_tokenizer(path)
-    chat = getattr(args, "chat", False)  # demo has no --chat
     if args.prompt_ids is not None:
         if chat:
-            raise ValueError("--chat renders --prompt TEXT with the chat template; it does not take --prompt-ids")
+            raise ValueError("--chat (and --system) render --prompt TEXT with the chat template; they do not take "
+                             "--prompt-ids")
         prompt = list(args.prompt_ids)
-    elif args.prompt is not None:
+    elif text is not None:
         if tokenizer is None:
             raise ValueError(f"--prompt needs a tokenizer.json in {path}; pass --prompt-ids instead")
-        text = args.prompt
         if chat:  # one user message, rendered with the checkpoint's chat template
             template = load_chat_template(path)
             if template is None:
                 raise ValueError(f"--chat needs a chat template (chat_template.jinja or tokenizer_config.json's "
                                  f"chat_template) in {path}")
-            text = template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+            messages = [] if system is None else [{"role": "system", "content": system}]
+            text = template.render([*messages, {"role": "user", "content": text}], add_generation_prompt=True)
         prompt = tokenizer.encode(text, add_special_tokens=not chat).ids  # a template writes its own BOS
     else:
-        raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3")
+        raise ValueError("give --prompt TEXT, --prompt-file FILE or --prompt-ids 1,2,3")
+    if args.stop and tokenizer is None:
+        raise ValueError(f"--stop needs a tokenizer.json in {path} (it matches text)")
     spec = speculation(args, model)
-    max_len = args.max_len or len(prompt) + args.max_new_tokens + (0 if spec is None else spec.tokens)
+    max_len = args.max_len if args.max_len is not None else (
+        len(prompt) + args.max_new_tokens + (0 if spec is None else spec.tokens))
     capture = capture_options(args.compile, args.temperature, spec)
+    t1 = time.perf_counter()
+    # batch=1: the cache is allocated (and with --compile every step captured) here, timed as the capture
     gen = Generator(
         model, max_len=max_len, chunk_size=args.chunk_size, long_chunk=args.long_chunk, compile=args.compile,
-        capture=capture, speculate=spec,
+        capture=capture, speculate=spec, batch=1,
     )
+    t2 = time.perf_counter()
     tokens = gen.stream(
         prompt,
         args.max_new_tokens,
@@ -107,18 +184,23 @@ def run_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         read_every=args.read_every,
+        repeat_penalty=args.repeat_penalty,
     )
+    clock = _Clock(tokens)
+    tokens = iter(clock)
     out = sys.stdout
     prof = _start_profiler(getattr(args, "profile", None))  # the stream is lazy: prefill runs in the loop below
+    stopped = False
     if tokenizer is None:
         out.write(f"prompt ids: {','.join(map(str, prompt))}\nnew ids:")
         for t in tokens:
             out.write(f" {t}")
             out.flush()
     else:
+        skip = not args.show_special
         if not chat:  # a chat prompt is the rendered template: show only the reply
-            out.write(tokenizer.decode(prompt))
-        write_stream(tokenizer, tokens, out)
+            out.write(tokenizer.decode(prompt, skip_special_tokens=skip))
+        stopped = write_stream(tokenizer, tokens, out, skip_special_tokens=skip, stops=args.stop).stopped
     out.write("\n")
     out.flush()
     if prof is not None:
@@ -126,7 +208,10 @@ def run_generate(args: argparse.Namespace) -> int:
         prof.export_chrome_trace(str(args.profile))
         print(f"torch.profiler Chrome trace: {args.profile}", file=sys.stderr)
     where = "" if not tp.enabled else f" [{tp.describe()}, {launch.backend}]"
-    print(gen.stats.summary() + where, file=sys.stderr)
+    load, capture_s = (t1 - t0, t2 - t1) if args.compile else (t2 - t0, None)
+    stats = clock.stats(len(prompt)) if stopped else gen.stats  # a closed stream leaves no request statistics
+    tail = ", stopped at a --stop string" if stopped else ""
+    print(stats.summary(load_s=load, capture_s=capture_s) + tail + where, file=sys.stderr)
     return 0
 
 
