@@ -47,6 +47,7 @@ arbitrary strides on their two batch axes, and B and Hkv do merge: [B*Hkv, S / S
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from typing import NamedTuple
 
 import torch
@@ -102,8 +103,8 @@ def failed_formulations() -> dict[str, str]:
     return dict(_FAILED)
 
 
-def _failed_now() -> frozenset[str]:
-    return frozenset(_FAILED)
+def _failed_now() -> tuple[str, ...]:
+    return tuple(sorted(_FAILED))  # a tuple of str: a constant every dynamo version takes
 
 
 # A constant of the trace like `_threads`: a graph keeps the formulation it compiled with (no guard on the failures
@@ -128,7 +129,7 @@ def cuda_decode_impl(
     dtype: torch.dtype,
     *,
     compiling: bool,
-    failed: frozenset[str] | set[str] = frozenset(),
+    failed: Collection[str] = (),
 ) -> str:
     """The formulation of a CUDA decode or verify step (CUDA_DECODE_ORDER): "flex" inside a compile where it fits,
     else "split_key", each unless it failed to compile in this process; "sdpa_folded" last."""
@@ -161,12 +162,12 @@ def resolve_impl(
     """The formulation `impl` names, "auto" resolved for a step of `rows` query rows per KV head (G * T, `groups`
     query heads per KV head; None: rows, a one-token step) over K/V of `head_dim` and `dtype`. On CUDA, decode and
     verify steps (at most SPLIT_MAX_ROWS rows) split the key axis (`cuda_decode_impl`), and a formulation that
-    failed to compile here gives way to the next one, named or not. On the CPU, for a step of at most SPLIT_MAX_ROWS rows: "decode_kernel" where the kernel
-    takes the shapes and is built (SmolLM2-135M decode attention at 8k keys, 30 layers, 2 threads: 20 ms against
-    split_key's 32 and sdpa_folded's 38, profiles/RESULTS.md); else "split_key" when the batch's KV heads, the work
-    items SDPA's CPU kernel then has, do not spread evenly over torch's threads (SmolLM2 at 8k: 9% faster than
-    sdpa_folded; Llama-3.1-8B's 8 KV heads: 2-4% slower); else "sdpa_folded", as for prefill chunks (384 rows:
-    enough query blocks) and off the CPU (no GPU has run split_key yet; compiled CUDA steps can take "flex")."""
+    failed to compile here gives way to the next one, named or not. On the CPU, for a step of at most
+    SPLIT_MAX_ROWS rows: "decode_kernel" where the kernel takes the shapes and is built (SmolLM2-135M decode
+    attention at 8k keys, 30 layers, 2 threads: 20 ms against split_key's 32 and sdpa_folded's 38,
+    profiles/RESULTS.md); else "split_key" when the batch's KV heads, the work items SDPA's CPU kernel then has, do
+    not spread evenly over torch's threads (SmolLM2 at 8k: 9% faster than sdpa_folded; Llama-3.1-8B's 8 KV heads:
+    2-4% slower); else "sdpa_folded", as for prefill chunks (384 rows: enough query blocks) and on other devices."""
     kernel = cpu_kernel.supports(rows, head_dim, dtype, device)
     if device.type == "cuda" and (impl == AUTO and rows <= SPLIT_MAX_ROWS or impl in _failed_now()):
         G = rows if groups is None else max(1, groups)
