@@ -292,6 +292,14 @@ def scheme_of(model: nn.Module) -> Scheme | None:
     return getattr(model, "quantization", None)
 
 
+def read_bytes(model: nn.Module) -> int:
+    """Bytes of the weights one decode step reads: `weight_bytes` less the embedding where the head does not read
+    it (untied, or tied and quantized: the head reads its own copy); a step looks up one embedding row."""
+    embed = model.embed_tokens.weight
+    head_reads_embedding = model.lm_head is None
+    return weight_bytes(model) - (0 if head_reads_embedding else embed.nbytes - embed[0].nbytes)
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every weight a model holds (parameters and quantized buffers; not the rotary table), counting a
     tensor shared by two modules once."""

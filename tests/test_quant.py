@@ -219,3 +219,16 @@ def test_compiled_generator_decodes_quantized_with_eager_tokens():
         assert gen.generate(prompt, 16, stop_at_eos=False) == eager.generate(prompt, 16, stop_at_eos=False)
     gen.runner.close()
     torch._dynamo.reset()
+
+
+def test_read_bytes_count_what_a_decode_step_reads():
+    """A tied float model's head is the embedding (read whole); quantized, the head reads its own copy and the
+    embedding is one looked-up row a step: the bench's bytes floor counts that."""
+    from static_decode import load_model
+    from static_decode.loading import default_model_path
+
+    model = load_model(default_model_path())
+    assert quant.read_bytes(model) == quant.weight_bytes(model)
+    quant.quantize_model(model, "int4")
+    embed = model.embed_tokens.weight
+    assert quant.read_bytes(model) == quant.weight_bytes(model) - embed.nbytes + embed[0].nbytes

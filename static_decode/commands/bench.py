@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from capture.settings import CompileSettings
-from static_decode.commands.args import int_list, name_list
+from static_decode.commands.args import add_quantize_argument, int_list, name_list
 from static_decode.commands.bench_config import QUICK, BenchConfig
 from static_decode.commands.bench_report import report
 from static_decode.commands.bench_run import run
@@ -35,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="static-decode's K/V cache dtype (default: the model's; llama.cpp's own default is f16)")
+    add_quantize_argument(p)
     p.add_argument("--attention-lengths", type=int_list, default=None, help="attention microbenchmark lengths")
     p.add_argument("--no-attention", action="store_true", help="skip the attention microbenchmark")
     p.add_argument("--transformers-compile", action=argparse.BooleanOptionalAction, default=True,
@@ -64,7 +65,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         settings=settings, contexts=pick("contexts"), max_len=args.max_len, steps=pick("steps"),
         repeats=pick("repeats"),
         warmup=args.warmup, systems=args.systems, model=args.model, threads=args.threads, device=args.device,
-        dtype=args.dtype, kv_dtype=args.kv_dtype,
+        dtype=args.dtype, kv_dtype=args.kv_dtype, quantize=args.quantize,
         attention_lengths=None if args.no_attention else pick("attention_lengths"),
         transformers_compile=args.transformers_compile, progress=not args.quiet, profile=args.profile,
         wait_idle=args.wait_idle, gguf=args.gguf,

@@ -31,6 +31,7 @@ class BenchConfig:
     device: str | None = None
     dtype: str | None = None
     kv_dtype: str | None = None  # static-decode's K/V cache dtype (Llama.kv_dtype); None: the model's
+    quantize: str | None = None  # static-decode's weight-only quantization (static_decode.quant); None: float
     attention_lengths: tuple[int, ...] | None = ATTENTION_LENGTHS  # None: no attention rows
     transformers_compile: bool = True
     settings: Any = None
@@ -76,6 +77,7 @@ def command(config: BenchConfig, threads: int) -> str:
     parts += [f"--device {config.device}"] if config.device else []
     parts += [f"--dtype {config.dtype}"] if config.dtype else []
     parts += [f"--kv-dtype {config.kv_dtype}"] if config.kv_dtype else []
+    parts += [f"--quantize {config.quantize}"] if config.quantize else []
     if config.attention_lengths is None:
         parts.append("--no-attention")
     else:

@@ -40,7 +40,8 @@ def bytes_per_token(model: dict[str, Any], context: int) -> int:
     size = DTYPE_BYTES[model["dtype"]]
     kv_size = DTYPE_BYTES[model.get("kv_dtype", model["dtype"])]
     kv = 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * kv_size  # K and V of one token, all layers
-    return model["parameters"] * size + context * kv
+    weights = model.get("weight_bytes", model["parameters"] * size)  # a quantized model's own count
+    return weights + context * kv
 
 
 def bound(doc: dict[str, Any]) -> list[dict[str, Any]]:

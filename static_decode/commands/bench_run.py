@@ -45,6 +45,7 @@ from static_decode.commands.bench_report import bound, targets
 from static_decode.commands.bench_systems import TP_SYSTEMS, System, build, load_profiles_module
 from static_decode.loading import default_model_path, load_model, load_tokenizer
 from static_decode.progress import progress_bar
+from static_decode.quant import read_bytes
 
 
 @dataclass
@@ -208,7 +209,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
         raise FileNotFoundError(f"no checkpoint at {path}")
     device = check_device(config.device)  # one line for a device this machine lacks, before the model loads
     doc: dict[str, Any] = {"machine": machine(threads, device)}
-    model = load_model(path, dtype=config.dtype, device=device, tp=tp)
+    model = load_model(path, dtype=config.dtype, device=device, tp=tp, quantize=config.quantize)
     model.kv_dtype = config.kv_dtype
     if tp.enabled:
         doc["machine"]["tensor_parallel"] = {"world": tp.world, "backend": tp.backend()}
@@ -220,6 +221,8 @@ def run(config: BenchConfig) -> dict[str, Any]:
         "hidden": c.hidden_size, "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
         "vocab": c.vocab_size, "dtype": str(model.dtype).removeprefix("torch."),
         "kv_dtype": str(model.kv_dtype).removeprefix("torch."),
+        # Quantized: the bytes floor counts the weights a decode step reads (static_decode.quant.read_bytes).
+        **({"quantize": config.quantize, "weight_bytes": read_bytes(model)} if config.quantize else {}),
     }
     doc["bench"] = {
         "command": config.command(threads),
