@@ -232,3 +232,17 @@ def test_read_bytes_count_what_a_decode_step_reads():
     quant.quantize_model(model, "int4")
     embed = model.embed_tokens.weight
     assert quant.read_bytes(model) == quant.weight_bytes(model) - embed.nbytes + embed[0].nbytes
+
+
+def test_commands_take_quantize_and_refuse_what_it_does_not_run(capsys):
+    """generate (and so demo), with the refusal of a model dtype the products do not take in one line."""
+    from static_decode.commands import cli
+
+    argv = ["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--temperature", "0", "-t", "1"]
+    assert cli.main([*argv, "--quantize", "int4"]) == 0
+    assert cli.main([*argv, "--quantize", "int8", "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "static-decode generate: error: --quantize int8 takes a float32 or bfloat16 model, not torch.float16"
+    for command in ("chat", "capture-report", "bench", "demo", "perplexity"):
+        help_text = cli.build_parser().parse_args([command, "--quantize", "int8"])
+        assert help_text.quantize == "int8"

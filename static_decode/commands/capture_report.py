@@ -24,6 +24,7 @@ from capture.compile_cache import cache_counts
 from capture.report import CaptureReport
 from capture.settings import CaptureOptions, CompileSettings
 from static_decode.commands.args import (
+    add_quantize_argument,
     add_threads_argument,
     apply_threads,
     check_checkpoint,
@@ -94,7 +95,8 @@ def run_capture_report(args: Any) -> int:
     device = launch.device if launch else check_device(args.device)  # a device this machine lacks fails first
     path = check_checkpoint(args.model or default_model_path())
     baseline = CaptureReport.read_json(args.check) if args.check else None  # a bad baseline fails first
-    model = load_model(path, dtype=args.dtype, device=device, **({"tp": launch.tp} if launch else {}))
+    model = load_model(path, dtype=args.dtype, device=device, quantize=args.quantize,
+                       **({"tp": launch.tp} if launch else {}))
     report = build_report(
         model, max_len=args.max_len, chunk_size=args.chunk_size, batch=args.batch, buckets=args.buckets,
         kinds=args.kinds, settings=_settings(args, device, launch), progress=not args.quiet,
@@ -134,6 +136,7 @@ def add_parser(subparsers: Any) -> None:
                    help="step kinds to compile, e.g. prefill,first_greedy,decode_greedy (default: all)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    add_quantize_argument(p)
     p.add_argument("--json", type=Path, default=None, help="write the report as JSON to this path")
     p.add_argument("--check", type=Path, default=None, help="baseline JSON: exit 1 if graphs/breaks/skips differ")
     p.add_argument("--read-len", choices=("static", "symbolic"), default=None,

@@ -21,6 +21,7 @@ from typing import Any
 
 from static_decode.chat_template import ChatTemplate, load_chat_template
 from static_decode.commands.args import (
+    add_quantize_argument,
     add_speculation_arguments,
     add_text_arguments,
     add_threads_argument,
@@ -114,7 +115,7 @@ def run_chat(args: argparse.Namespace) -> int:
     if template is None:
         raise ValueError(f"chat needs a chat template (chat_template.jinja or tokenizer_config.json's chat_template) "
                          f"in {path}")
-    model = load_model(path, dtype=args.dtype, device=device, tp=tp)
+    model = load_model(path, dtype=args.dtype, device=device, tp=tp, quantize=args.quantize)
     model.kv_dtype = getattr(args, "kv_dtype", None)
     max_len = args.max_len if args.max_len is not None else min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)
     spec = speculation(args, model)
@@ -180,6 +181,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="compile the steps")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    add_quantize_argument(p)
     p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="the K/V cache's dtype (default: the model's); a 16-bit cache halves long-context reads")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message that opens the conversation")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from static_decode.chat_template import load_chat_template
 from static_decode.commands.args import (
+    add_quantize_argument,
     add_speculation_arguments,
     add_text_arguments,
     add_threads_argument,
@@ -55,6 +56,7 @@ def add_generation_arguments(p: argparse.ArgumentParser, *, demo: bool = False) 
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="compile the steps")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    add_quantize_argument(p)
     p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="the K/V cache's dtype (default: the model's); a 16-bit cache halves long-context reads")
     p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler Chrome trace of the run here")
@@ -142,7 +144,7 @@ def run_generate(args: argparse.Namespace) -> int:
     text = _prompt_text(args)
     t0 = time.perf_counter()
     tp = launch.tp if launch is not None else SINGLE
-    model = load_model(path, dtype=args.dtype, device=device, tp=tp)
+    model = load_model(path, dtype=args.dtype, device=device, tp=tp, quantize=args.quantize)
     model.kv_dtype = getattr(args, "kv_dtype", None)
     tokenizer = load_tokenizer(path)
     if args.prompt_ids is not None:
