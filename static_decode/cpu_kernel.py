@@ -43,7 +43,8 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("decode_attention.cpp", "gemv_bf16.cpp", "decode_layers.cpp")]
-HEADERS = [CSRC / "kernels.h", CSRC / "checks.h"]  # hashed into the build flags: torch hashes only the sources
+# Hashed into the build flags: torch's builder tracks only the sources.
+HEADERS = [CSRC / name for name in ("kernels.h", "checks.h", "attention_avx512.h")]
 ENV = "STATIC_DECODE_CPU_KERNEL"  # "0": never build or use the kernels
 WAIT_ENV = "STATIC_DECODE_BUILD_WAIT"  # seconds to wait for another process's build (default BUILD_WAIT)
 BUILD_WAIT = 1800.0
@@ -118,14 +119,17 @@ def build_directory(
     root: str | os.PathLike[str] | None = None,
     torch_version: str = torch.__version__,
     python: tuple[int, int] = (sys.version_info.major, sys.version_info.minor),
+    torch_dir: str = os.path.dirname(torch.__file__),
 ) -> Path:
-    """Where the kernels are built: one directory per extension name (the ISA), torch version and Python version,
-    under $TORCH_EXTENSIONS_DIR or torch's default cache. torch's own default is per Python version only, so two
-    environments with different torch versions rebuilt over each other on every switch (~2 minutes each)."""
+    """Where the kernels are built: one directory per extension name (the ISA), torch version, Python version and
+    torch installation (its include paths are in the build's commands), under $TORCH_EXTENSIONS_DIR or torch's
+    default cache. torch's own default is per Python version only, so environments with another torch, or the same
+    torch in another virtualenv, rebuilt over each other on every switch (~2-4 minutes each)."""
     from torch.utils.cpp_extension import get_default_build_root  # imported here: it pulls in setuptools
 
     root = root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    tag = re.sub(r"[^A-Za-z0-9.]+", "_", f"torch{torch_version}-py{python[0]}{python[1]}")
+    where = hashlib.sha256(os.path.realpath(torch_dir).encode()).hexdigest()[:8]
+    tag = re.sub(r"[^A-Za-z0-9.]+", "_", f"torch{torch_version}-py{python[0]}{python[1]}") + f"-{where}"
     return Path(root) / f"{name or _flags()[0]}-{tag}"
 
 
@@ -175,11 +179,12 @@ def _build() -> None:
         if fresh:
             print(f"static_decode: building the CPU kernels once for this torch and Python (~{BUILD_SECONDS} s on 2 "
                   f"busy cores) into {directory}", file=sys.stderr, flush=True)
+        stamp.unlink(missing_ok=True)  # rewritten once the load succeeds: a killed build leaves no stamp
         start = time.monotonic()
         load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
              build_directory=str(directory), is_python_module=False, verbose=False)
+        stamp.write_text(signature.hexdigest())
         if fresh:
-            stamp.write_text(signature.hexdigest())
             print(f"static_decode: the CPU kernels are built ({time.monotonic() - start:.0f} s)", file=sys.stderr,
                   flush=True)
 

@@ -161,6 +161,41 @@ def test_supports_is_the_kernels_head_dims_for_each_isa(cap: str) -> None:
     assert (8 in cpu_kernel.head_dims(cap)) == (cap == "AVX2")
 
 
+AVX2_RUN = """
+import math, runpy, sys
+import torch
+from static_decode import cpu_kernel
+from static_decode.attention import grouped_attention
+
+cpu_kernel._facts.update(cap="AVX2", bf16=False)  # the AVX2 build, on any x86 CPU with AVX2
+assert cpu_kernel.available()
+for d in range(8, 273, 8):
+    q, k, v = torch.randn(1, 2, 3, d), torch.randn(1, 2, 20, d), torch.randn(1, 2, 20, d)
+    lens, n = torch.tensor([10]), torch.tensor([1])
+    try:
+        out = torch.ops.static_decode_cpu.decode_attention(q, k, v, lens, n, 1, 1 / math.sqrt(d))
+    except RuntimeError:
+        out = None
+    assert (out is not None) == cpu_kernel.supports(3, d, torch.float32, torch.device("cpu")), d
+    if out is not None:
+        want = grouped_attention(q.double().view(1, 6, 1, d), k.double(), v.double(), lens, n, impl="matmul")
+        torch.testing.assert_close(out.double(), want.view(1, 2, 3, d), atol=1e-5, rtol=1e-5)
+print("AVX2 head dims", cpu_kernel.head_dims(), flush=True)
+sys.argv = ["native_fuzz_worker", "60"]
+runpy.run_module("tests.native_fuzz_worker", run_name="__main__")
+"""
+
+
+@pytest.mark.skipif(os.environ.get("STATIC_DECODE_TEST_AVX2") != "1",
+                    reason="builds the AVX2 variant of the kernels too (minutes); STATIC_DECODE_TEST_AVX2=1 runs it")
+def test_the_avx2_build_runs_exactly_what_supports_names() -> None:
+    """The other ISA the project builds for, built and run here: the head sizes it accepts are supports()'s for
+    AVX2 (8 to 272 in steps of 8), its values the float64 formulation's, and the fuzz holds on it."""
+    proc = subprocess.run([sys.executable, "-c", AVX2_RUN], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "AVX2 head dims (8, 16, 32, 48, 64, 80, 96, 128, 256)" in proc.stdout and "decode_layers:" in proc.stdout
+
+
 @needs_kernels
 @pytest.mark.parametrize("d", [8, *range(16, 257, 16), 24, 272])
 def test_supports_agrees_with_the_built_kernel(d: int) -> None:
@@ -216,15 +251,20 @@ def test_nan_in_gives_nan_out_as_the_other_formulations(where: str) -> None:
 
 
 # ---- the build: its directory, its message, a killed build's lock -----------------------------------------------
-def test_build_directory_is_per_torch_and_python_version(tmp_path: Path) -> None:
-    base = cpu_kernel.build_directory("static_decode_cpu_avx2", tmp_path, "2.13.0+cpu", (3, 11))
-    assert base.parent == tmp_path and base.name.startswith("static_decode_cpu_avx2-")
-    assert "2.13.0" in base.name and "py311" in base.name
-    others = {cpu_kernel.build_directory("static_decode_cpu_avx2", tmp_path, t, p)
-              for t, p in (("2.11.0", (3, 11)), ("2.13.0+cpu", (3, 12)), ("2.13.0+cu128", (3, 11)))}
-    assert base not in others and len(others) == 3
-    assert cpu_kernel.build_directory("static_decode_cpu_avx512", tmp_path, "2.13.0+cpu", (3, 11)) != base
-    assert "/" not in base.name and "+" not in base.name
+def test_build_directory_is_per_torch_python_and_environment(tmp_path: Path) -> None:
+    """Environments never share a build: another torch version, Python version or torch installation (a second
+    virtualenv with the same versions) is another directory; the same one is the same directory."""
+    def where(torch_version: str = "2.13.0+cpu", python: tuple[int, int] = (3, 11), env: str = "/venv/a/torch",
+              name: str = "static_decode_cpu_avx2") -> Path:
+        return cpu_kernel.build_directory(name, tmp_path, torch_version, python, env)
+
+    base = where()
+    assert base == where() and base.parent == tmp_path and base.name.startswith("static_decode_cpu_avx2-")
+    assert "2.13.0" in base.name and "py311" in base.name and "/" not in base.name and "+" not in base.name
+    others = {where("2.11.0"), where(python=(3, 12)), where("2.13.0+cu128"), where(env="/venv/b/torch"),
+              where(name="static_decode_cpu_avx512")}
+    assert base not in others and len(others) == 5
+    assert cpu_kernel.build_directory().name.startswith(cpu_kernel._flags()[0] + "-torch")  # this environment's
 
 
 def test_a_build_says_what_it_does_and_a_load_says_nothing(tmp_path: Path, monkeypatch, capfd) -> None:
