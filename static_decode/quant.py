@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from static_decode.parallel import shard_dim
+
 INT4_GROUPS = (32, 64, 128)
 DEFAULT_INT4_GROUP = 32  # the finest group: +quality at +1/16 of the bytes; as fast as 64 and 128 (measured)
 DTYPES = (torch.float32, torch.bfloat16)  # model dtypes the quantized products take
@@ -86,10 +88,15 @@ def parse(spec: str | Scheme | None) -> Scheme | None:
 
 
 # ---- quantizers: plain tensor code, the formats' definitions ---------------------------------------------------
-def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (q int8 [N, K], s [N] in `dtype`): w ~ q * s, symmetric per output channel."""
+def quantize_int8(
+    w: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q int8 [N, K], s [N] in `dtype`): w ~ q * s, symmetric per output channel. `amax` [N]: each
+    row's largest |w| when w is a slice of the rows (a tensor-parallel rank's), so the slice gets the whole rows'
+    scales."""
     wf = w.float()
-    s = (wf.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(dtype)  # [N]
+    amax = wf.abs().amax(dim=1) if amax is None else amax.float()
+    s = (amax / 127).clamp(min=torch.finfo(torch.float32).tiny).to(dtype)  # [N]
     q = torch.round(wf / s.float()[:, None]).clamp(-128, 127).to(torch.int8)  # [N, K]
     return q, s
 
@@ -163,7 +170,7 @@ class QuantWeight(nn.Module):
     qweight: torch.Tensor
     scales: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, scheme: Scheme) -> None:
+    def __init__(self, weight: torch.Tensor, scheme: Scheme, amax: torch.Tensor | None = None) -> None:
         super().__init__()
         N, K = weight.shape
         dtype = weight.dtype
@@ -176,7 +183,7 @@ class QuantWeight(nn.Module):
             raise ValueError(f"int4 needs a multiple of 16 output rows (torch's CPU int4 layout), got {N}; use int8")
         self.scheme, self.out_features, self.in_features = scheme, N, K
         if scheme.bits == 8:
-            q, s = quantize_int8(weight, dtype)
+            q, s = quantize_int8(weight, dtype, amax)
             self.register_buffer("qweight", q)  # int8 [N, K]
             self.register_buffer("scales", s)  # [N]
         else:
@@ -241,9 +248,11 @@ class QuantLinear(nn.Module):
     """An nn.Linear whose `weight` is a QuantWeight (`bias` stays in the model's dtype). The model's projections
     call `static_decode.projection.linear(x, module.weight, module.bias)`, which takes either kind of weight."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: Scheme) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: Scheme, amax: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
-        self.weight = QuantWeight(weight.detach(), scheme)
+        self.weight = QuantWeight(weight.detach(), scheme, amax)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.in_features, self.out_features = self.weight.in_features, self.weight.out_features
 
@@ -280,11 +289,28 @@ def quantize_model(model: nn.Module, spec: str | Scheme) -> nn.Module:
         if scheme.bits == 4 and K % scheme.group:
             raise ValueError(f"{full}: int4 group {scheme.group} does not divide the weight's {K} inputs; use "
                              f"{' or '.join(f'int4-g{g}' for g in INT4_GROUPS if K % g == 0) or 'int8'}")
-    for module, child, _, linear in targets:
+    for module, child, full, linear in targets:
         weight, bias = (embed, None) if linear is None else (linear.weight, linear.bias)
-        setattr(module, child, QuantLinear(weight, bias, scheme))
+        setattr(module, child, QuantLinear(weight, bias, scheme, _row_amax(model, full, weight, scheme)))
     model.quantization = scheme
     return model
+
+
+def _row_amax(model: nn.Module, name: str, weight: torch.Tensor, scheme: Scheme) -> torch.Tensor | None:
+    """int8 on a tensor-parallel rank: each row's largest |w| over every rank's slice of a row-parallel weight
+    (o_proj, down_proj split along K), so a rank's scales are the single process's and the shards add up to it
+    (int4 groups are whole within a slice: nothing to share). None elsewhere, and for a shard loaded without its
+    process group (its slices then get scales of their own)."""
+    import torch.distributed as dist
+
+    tp = getattr(model, "tp", None)
+    if scheme.bits != 8 or tp is None or not tp.enabled or shard_dim(f"{name}.weight") != 1:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    amax = weight.detach().float().abs().amax(dim=1)  # [N]
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
+    return amax
 
 
 def scheme_of(model: nn.Module) -> Scheme | None:

@@ -246,3 +246,50 @@ def test_commands_take_quantize_and_refuse_what_it_does_not_run(capsys):
     for command in ("chat", "capture-report", "bench", "demo", "perplexity"):
         help_text = cli.build_parser().parse_args([command, "--quantize", "int8"])
         assert help_text.quantize == "int8"
+
+
+def _tp_results(ckpt, tp, spec):
+    from static_decode import Generator, load_model
+    from tests import tp_worker
+
+    model = load_model(ckpt, tp=tp, quantize=spec)
+    with torch.no_grad():
+        cache = model.new_cache(2, tp_worker.MAX_LEN)
+        logits = [model(torch.tensor(t), cache, n) for t, n in tp_worker.FORWARD_CHUNKS]
+    gen = Generator(model, max_len=tp_worker.MAX_LEN, chunk_size=tp_worker.CHUNK, eos_token_ids=[])
+    return {"logits": logits, "tokens": gen.generate(tp_worker.PROMPTS, tp_worker.NEW_TOKENS)}
+
+
+def _tp_rank(rank, world, port, ckpt, dest):
+    import torch.distributed as dist
+
+    from static_decode.parallel import TensorParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.save({spec: _tp_results(ckpt, TensorParallel(rank, world), spec) for spec in ("int8", "int4")},
+                   dest / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_equal_one_process(tmp_path):
+    """Each rank quantizes its own slices: int4 groups are whole within a slice, int8's row-parallel scales are
+    the whole rows' (a max over the ranks at load), so the shards' all-reduced logits are the single process's
+    (to float32 summation order) and the greedy tokens equal."""
+    import torch.multiprocessing as mp
+
+    from static_decode.parallel import SINGLE
+    from tests import tp_worker
+    from tests.checkpoints import hf_llama, save
+
+    ckpt = save(hf_llama(seed=7, kv_heads=4, bias=True), tmp_path / "ckpt")
+    mp.spawn(_tp_rank, args=(2, tp_worker.free_port(), ckpt, tmp_path), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for spec in ("int8", "int4"):
+        single = _tp_results(ckpt, SINGLE, spec)
+        for got in ranks:
+            assert got[spec]["tokens"] == single["tokens"], spec
+            for a, b in zip(got[spec]["logits"], single["logits"], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
