@@ -304,7 +304,7 @@ def test_a_build_in_progress_elsewhere_is_waited_for_then_given_up_on(tmp_path: 
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import fcntl, sys, time
         f = open({str(directory / 'static_decode.flock')!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX)
-        print('held', flush=True); time.sleep(60)""")], stdout=subprocess.PIPE, text=True)
+        print("held", flush=True); time.sleep(600)""")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         code = "from static_decode import cpu_kernel; print('available', cpu_kernel.available())"
