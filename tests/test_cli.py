@@ -432,3 +432,12 @@ def test_a_wide_table_is_whole_when_piped(capsys):
     out = capsys.readouterr().out
     assert all(h in out for h in headers) and "…" not in out
     assert all(f"value {i} value {i} value {i}" in out for i in range(14))
+
+
+def test_repeat_penalty_with_speculation_is_refused_up_front(talky, capsys, monkeypatch):
+    rc, _, err = _chat(capsys, monkeypatch, ["--model", str(talky), "--speculate", "prompt-lookup",
+                                             "--repeat-penalty", "1.2"], "hi\n")
+    assert rc == 2 and "--repeat-penalty 1.2 is not supported with --speculate" in err
+    rc, _, err = run(capsys, "generate", "--model", str(talky), "--prompt", "hi", "--speculate", "prompt-lookup",
+                     "--repeat-penalty", "1.2")
+    assert rc == 2 and "not supported with speculative decoding" in err

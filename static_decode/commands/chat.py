@@ -119,6 +119,8 @@ def run_chat(args: argparse.Namespace) -> int:
     model.kv_dtype = getattr(args, "kv_dtype", None)
     max_len = args.max_len if args.max_len is not None else min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)
     spec = speculation(args, model)
+    if spec is not None and args.repeat_penalty not in (None, 1.0):  # refused now rather than at every turn
+        raise ValueError(f"--repeat-penalty {args.repeat_penalty} is not supported with --speculate")
     capture = capture_options(args.compile, args.temperature, spec)
     gen = Generator(model, max_len=max_len, chunk_size=args.chunk_size, long_chunk=args.long_chunk, batch=1,
                     compile=args.compile, capture=capture, speculate=spec)
