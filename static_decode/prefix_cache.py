@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from static_decode.checks import check_int
 from static_decode.generator import Generator
 from static_decode.request import Request, check_request
@@ -73,6 +75,7 @@ class PrefixCache:
         top_p: float | None = None,
         seed: int | None = None,
         stop_at_eos: bool = True,
+        repeat_penalty: float | None = None,
         read_every: int | None = None,
     ) -> tuple[Reuse, Iterator[list[int]]]:
         """Check the request (a ValueError/TypeError naming the bad value; nothing changes), then return how it
@@ -82,15 +85,17 @@ class PrefixCache:
         prompt = list(prompt) if isinstance(prompt, Sequence) and not isinstance(prompt, str | bytes) else prompt
         check_request(  # the whole prompt, as a fresh request would be checked (bounds, ids, sampling)
             prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            stop_at_eos=stop_at_eos, vocab_size=gen.model.config.vocab_size, max_len=gen.max_len, max_batch=1,
-            draft_slots=gen.draft_slots,
+            stop_at_eos=stop_at_eos, repeat_penalty=repeat_penalty, vocab_size=gen.model.config.vocab_size,
+            max_len=gen.max_len, max_batch=1, draft_slots=gen.draft_slots,
         )
         reuse = self.plan(prompt)
         req = check_request(
             prompt[reuse.cached :], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            stop_at_eos=stop_at_eos, vocab_size=gen.model.config.vocab_size, max_len=gen.max_len - reuse.cached,
-            max_batch=1, draft_slots=gen.draft_slots,
+            stop_at_eos=stop_at_eos, repeat_penalty=repeat_penalty, vocab_size=gen.model.config.vocab_size,
+            max_len=gen.max_len - reuse.cached, max_batch=1, draft_slots=gen.draft_slots,
         )
+        if req.repeat_penalty != 1.0 and gen.speculate is not None:  # the generator's own refusal, made here
+            raise ValueError(f"repeat_penalty={req.repeat_penalty} is not supported with speculative decoding")
         every = gen.read_every if read_every is None else check_int("read_every", read_every, minimum=1)
         return reuse, self._run(req, every, prompt, reuse)
 
@@ -100,6 +105,7 @@ class PrefixCache:
             raise RuntimeError("the generator is still running a stream: finish or close it first")
         if reuse.cached:
             self._cut(reuse.cached)
+            self._mark_seen(prompt[: reuse.cached])
         pieces = gen._run(req, every, keep_cache=reuse.cached > 0)
         reply: list[int] = []
         started = complete = False
@@ -125,6 +131,13 @@ class PrefixCache:
         cache = self.gen.cache
         cache.host_lens[0] = length
         cache.lens[0:1].fill_(length)
+
+    def _mark_seen(self, ids: list[int]) -> None:
+        """The repetition penalty's seen-token marks of row 0: exactly the reused tokens (the generator marks the
+        fed ones; a continued request would otherwise keep the marks of the previous reply)."""
+        seen = self.gen.bufs.seen  # [B, vocab + 1] bool
+        seen[0].zero_()
+        seen[0, torch.tensor(sorted(set(ids)), dtype=torch.int64, device=seen.device)] = True
 
     def reset(self) -> None:
         """Forget the cached sequence: the next request prefills its whole prompt."""

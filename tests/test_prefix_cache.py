@@ -4,7 +4,7 @@ Reference: a fresh `Generator.generate` of the whole prompt on a second generato
 count is the longest common prefix with what the cache holds (the previous prompt and its reply but the last
 token), never the whole prompt; output equals the fresh generate whether the prompt extends, shortens or leaves
 the cached sequence; a stream closed part-way keeps its prompt cached; a refused request changes nothing; a
-plain `generate` in between (it resets the cache) is noticed.
+plain `generate` in between (it resets the cache) is noticed; the repetition penalty sees exactly the prompt.
 """
 
 from __future__ import annotations
@@ -93,3 +93,15 @@ def test_another_request_on_the_generator_is_noticed(model, fresh):
     assert pc.cached() == []
     cached, out = run(pc, p, 6)
     assert cached == 0 and out == fresh(p, 6)
+
+
+def test_repeat_penalty_marks_exactly_the_prompt(model):
+    """The penalty's seen-token marks after a reused prefix are the whole prompt's, not the previous reply's."""
+    gen, ref = Generator(model, max_len=MAX_LEN), Generator(model, max_len=MAX_LEN)
+    pc = PrefixCache(gen)
+    a = list(b"def parse(text):\n    ")
+    _, first = run(pc, a, 30)
+    for prompt in (a + first[:-1] + list(b"\n# done\n"), a[:8] + list(b"x):\n")):
+        reuse, pieces = pc.stream(prompt, 20, repeat_penalty=1.5)
+        assert reuse.cached > 0
+        assert [t for p in pieces for t in p] == ref.generate(prompt, 20, repeat_penalty=1.5)

@@ -108,12 +108,12 @@ def ref(chat_model):
         def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
             return tok.encode(template.render(messages), add_special_tokens=False).ids
 
-        def new_ids(self, prompt: list[int], n: int) -> list[int]:
-            return gen.generate(prompt, n)
+        def new_ids(self, prompt: list[int], n: int, **kw: float) -> list[int]:
+            return gen.generate(prompt, n, **kw)
 
-        def text(self, prompt: list[int], n: int) -> tuple[str, str]:
+        def text(self, prompt: list[int], n: int, **kw: float) -> tuple[str, str]:
             """(the reply's text, its finish_reason) for a greedy request."""
-            out = self.new_ids(prompt, n)
+            out = self.new_ids(prompt, n, **kw)
             eos = bool(out) and out[-1] in self.eos
             return tok.decode(out[:-1] if eos else out, skip_special_tokens=True), "stop" if eos else "length"
 
@@ -150,6 +150,12 @@ def test_completions_equal_generate(server, ref):
     ids = ref.ids(PROMPTS[0])  # a prompt of token ids
     got = c.completions.create(model=model, prompt=ids, max_tokens=10)
     assert got.choices[0].text == ref.text(ids, 10)[0]
+    # extensions in the body: repeat_penalty (after a reused prefix), ignore_eos
+    got = c.completions.create(model=model, prompt=ids, max_tokens=20, extra_body={"repeat_penalty": 1.5})
+    assert got.usage.prompt_tokens_details.cached_tokens > 0
+    assert got.choices[0].text == ref.text(ids, 20, repeat_penalty=1.5)[0]
+    got = c.completions.create(model=model, prompt=ids, max_tokens=20, extra_body={"ignore_eos": True})
+    assert got.usage.completion_tokens == 20 == len(ref.new_ids(ids, 20, stop_at_eos=False))
 
 
 def test_chat_equals_generate(server, ref):

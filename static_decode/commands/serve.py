@@ -1,6 +1,7 @@
 """`static-decode serve --model DIR`: an OpenAI-compatible HTTP server for single-stream decode.
 
     static-decode serve --model DIR [--host 127.0.0.1] [--port 8000] [--compile] [--max-len N] [--queue N]
+                        [--quantize int8|int4] [-t N] [--speculate ...] [sampling defaults]
 
 It loads the checkpoint, builds the generator (batch 1) and, with --compile, captures the steps of greedy and
 sampled requests (--capture-kinds) before it listens, so the first request is as fast as the rest; then it prints
@@ -25,7 +26,14 @@ import sys
 import time
 from pathlib import Path
 
-from static_decode.commands.args import add_speculation_arguments, check_device, speculation
+from static_decode.commands.args import (
+    add_quantize_argument,
+    add_speculation_arguments,
+    add_threads_argument,
+    apply_threads,
+    check_device,
+    speculation,
+)
 from static_decode.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
 from static_decode.loading import default_model_path, load_model, load_tokenizer
 
@@ -62,7 +70,8 @@ def build(args: argparse.Namespace):  # -> tuple[Served, Generator]
     if tokenizer is None:
         raise ValueError(f"serve needs a tokenizer.json in {path}")
     template = load_chat_template(path)  # None: /v1/chat/completions refuses, /v1/completions works
-    model = load_model(path, dtype=args.dtype, device=device)
+    apply_threads(args)
+    model = load_model(path, dtype=args.dtype, device=device, quantize=args.quantize)
     model.kv_dtype = args.kv_dtype
     max_len = args.max_len or min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)
     spec = speculation(args, model)
@@ -80,7 +89,7 @@ def build(args: argparse.Namespace):  # -> tuple[Served, Generator]
     else:  # the first request's one-time costs (kernels' first calls, allocator) paid here
         gen.generate([0], 2, stop_at_eos=False)
     defaults = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                        max_tokens=args.max_tokens)
+                        repeat_penalty=args.repeat_penalty, max_tokens=args.max_tokens)
     ctx = Context(model_name=args.model_name or path.resolve().name, tokenizer=tokenizer, template=template,
                   vocab_size=model.config.vocab_size, max_len=max_len, draft_slots=gen.draft_slots,
                   defaults=defaults)
@@ -153,6 +162,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=None, help="default top_k")
     p.add_argument("--top-p", type=float, default=None, help="default top_p")
     p.add_argument("--seed", type=int, default=None, help="default sampling seed")
+    p.add_argument("--repeat-penalty", type=float, default=None, help="default repeat_penalty (1 = off)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="compile the steps")
     p.add_argument("--capture-kinds", default="all", choices=("all", "greedy", "sampled"),
                    help="with --compile: capture the steps of greedy requests, sampled ones or both before listening "
@@ -163,5 +173,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="the K/V cache's dtype (default: the model's)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (info: one line per request)")
+    add_quantize_argument(p)
+    add_threads_argument(p)
     add_speculation_arguments(p)
     p.set_defaults(run=run_serve)

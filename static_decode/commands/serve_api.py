@@ -2,9 +2,9 @@
 
 Every check runs before a request is queued, so a refused request changes nothing on the server. A refusal is
 an `APIError`: an HTTP status and OpenAI's error body, {"error": {"message", "type", "param", "code"}}.
-Extensions: `top_k`, `ignore_eos`. Fields the API defines and this server does not use (penalties, logit_bias,
-user, ...) are accepted and ignored, as llama.cpp's server does; those whose meaning it cannot honour (`n` > 1,
-several prompts) are refused.
+Extensions: `top_k`, `ignore_eos`, `repeat_penalty`. Fields the API defines and this server does not use
+(penalties, logit_bias, user, ...) are accepted and ignored, as llama.cpp's server does; those whose meaning it
+cannot honour (`n` > 1, several prompts) are refused.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class Sampling:
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
+    repeat_penalty: float | None = None
     max_tokens: int | None = None  # None: up to the cache's end
 
 
@@ -72,6 +73,7 @@ class Completion:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False  # extension (as in vLLM and llama.cpp): decode max_tokens whatever the model emits
+    repeat_penalty: float | None = None  # extension (as in llama.cpp): divide seen tokens' positive logits by it
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -184,6 +186,7 @@ def parse(raw: bytes, ctx: Context, *, chat: bool) -> Completion:
     top_p = _number(body, "top_p", d.top_p, 0.0, 1.0)
     top_k = _int(body, "top_k", d.top_k, 0) or None  # 0: off, as in llama.cpp
     seed = _int(body, "seed", d.seed, 0)
+    repeat_penalty = _number(body, "repeat_penalty", d.repeat_penalty, 0.0, 10.0)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, None, 1)
     stop = _stop(body)
@@ -203,9 +206,11 @@ def parse(raw: bytes, ctx: Context, *, chat: bool) -> Completion:
                    f"{len(ids) + max_tokens + ctx.draft_slots} exceeds the server's --max-len {ctx.max_len}", name)
     try:  # the generator's own checks (sampling values it refuses), without touching it
         check_request(ids, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                      vocab_size=ctx.vocab_size, max_len=ctx.max_len, max_batch=1, draft_slots=ctx.draft_slots)
+                      repeat_penalty=repeat_penalty, vocab_size=ctx.vocab_size, max_len=ctx.max_len, max_batch=1,
+                      draft_slots=ctx.draft_slots)
     except (ValueError, TypeError) as e:
         raise _bad(str(e)) from e
     return Completion(chat=chat, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                       top_k=top_k, seed=seed, stop=stop, stream=stream,
-                      include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos)
+                      include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos,
+                      repeat_penalty=repeat_penalty)

@@ -152,7 +152,8 @@ class Worker:
         t0 = time.perf_counter()
         try:
             reuse, pieces = self.prefix.stream(r.prompt_ids, r.max_tokens, temperature=r.temperature, top_k=r.top_k,
-                                               top_p=r.top_p, seed=r.seed, stop_at_eos=not r.ignore_eos)
+                                               top_p=r.top_p, seed=r.seed, stop_at_eos=not r.ignore_eos,
+                                               repeat_penalty=r.repeat_penalty)
         except (ValueError, TypeError) as e:  # checked on the HTTP side already; the generator has the last word
             job.post("error", APIError(400, str(e)))
             return
