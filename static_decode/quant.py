@@ -144,10 +144,10 @@ def int4_block() -> tuple[int, bool]:
     return (64 if cap == "AVX512" else 32), cap in ("AVX512", "AVX2")
 
 
-def unpack_int4(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """The codes [N, K] (uint8, 0..15) of an int4 weight in torch's CPU layout (tested against the layout's own
-    product: tests/test_quant.py)."""
-    block, halves = int4_block()
+def unpack_int4(packed: torch.Tensor, N: int, K: int, layout: tuple[int, bool] | None = None) -> torch.Tensor:
+    """The codes [N, K] (uint8, 0..15) of an int4 weight in torch's CPU layout `layout` (default `int4_block()`;
+    tested against the layout's own product: tests/test_quant.py)."""
+    block, halves = int4_block() if layout is None else layout
     flat = packed.reshape(-1)
     full = N // block * block  # rows in whole blocks
     parts = []
@@ -182,6 +182,7 @@ class QuantWeight(nn.Module):
         if scheme.bits == 4 and N % 16:
             raise ValueError(f"int4 needs a multiple of 16 output rows (torch's CPU int4 layout), got {N}; use int8")
         self.scheme, self.out_features, self.in_features = scheme, N, K
+        self.layout = int4_block()  # asked here, once: a compiled step cannot trace the CPU capability query
         if scheme.bits == 8:
             q, s = quantize_int8(weight, dtype, amax)
             self.register_buffer("qweight", q)  # int8 [N, K]
@@ -238,7 +239,7 @@ class QuantWeight(nn.Module):
 
     def codes(self) -> torch.Tensor:
         """int4: the codes q [N, K] (uint8, 0..15) unpacked from torch's CPU layout (`unpack_int4`)."""
-        return unpack_int4(self.qweight, self.out_features, self.in_features)
+        return unpack_int4(self.qweight, self.out_features, self.in_features, self.layout)
 
     def extra_repr(self) -> str:
         return f"{self.scheme.name}, out={self.out_features}, in={self.in_features}"
