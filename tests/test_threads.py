@@ -1,8 +1,8 @@
 """-t/--threads on every command that runs a model, and the default thread count.
 
-Pins: generate, demo, chat, capture-report and bench take -t/--threads N (N >= 1, else a usage error naming the
-value); the flag sets torch's intra-op threads, which the CPU kernels' at::parallel_for shares; without it the
-default is every usable core but one (at least one), and OMP_NUM_THREADS, when set, is left to decide.
+Pins: generate, demo, chat, capture-report, perplexity and bench take -t/--threads N (N >= 1, else a usage error
+naming the value); the flag sets torch's intra-op threads, which the CPU kernels' at::parallel_for shares; without it
+the default is every usable core but one (at least one), and OMP_NUM_THREADS, when set, is left to decide.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from static_decode.commands import args as cli_args
 from static_decode.commands import cli
 
-MODEL_COMMANDS = ("generate", "demo", "chat", "capture-report", "bench")
+MODEL_COMMANDS = ("generate", "demo", "chat", "capture-report", "bench", "perplexity")
 
 
 @pytest.fixture

@@ -31,9 +31,11 @@ def default_threads() -> int:
     return max(1, usable_cores() - 1)
 
 
-# torch's own default (a thread per core) collapses when another process keeps one core busy: the threads meet at a
-# barrier after every op, and one of them waits for the busy core each time. Leaving one core free keeps a loaded
-# machine within ~2x of its quiet speed (measured on SmolLM2-135M; profiles/RESULTS.md, "Threads").
+# torch's own default (a thread per core) collapses when another process keeps a core busy: the threads meet at a
+# barrier after every op, and each time one of them waits for the busy core. On the 2-vCPU EPYC, already shared with
+# other work, eager SmolLM2-135M decoded at 560 ms/token with 1 thread against 1,514 with 2, and with one more busy
+# process 1,126 against 2,019 (the embedded model: 8 against 99, 22 against 118). A core left free costs little on a
+# quiet machine: there 1 thread was already as fast as 2 (profiles/RESULTS.md, "Tensor-parallel decode on the CPU").
 DEFAULT_THREADS_HELP = "every core but one"
 
 

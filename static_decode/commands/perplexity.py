@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from static_decode.commands.args import check_device
+from static_decode.commands.args import add_threads_argument, apply_threads, check_device
 from static_decode.loading import default_model_path, load_model, load_tokenizer
 from static_decode.model import Llama
 from static_decode.progress import progress_bar
@@ -82,8 +82,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tokens must be at least 2, got {args.tokens}")
     if args.chunk < 1:
         raise ValueError(f"--chunk must be at least 1, got {args.chunk}")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     device = check_device(args.device)
     path = args.model if args.model is not None else default_model_path()
     text_path = args.text if args.text is not None else default_text_path()
@@ -117,6 +116,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="tokens per prefill chunk")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    p.add_argument("-t", "--threads", type=int, default=None, metavar="N", help="CPU threads for torch")
+    add_threads_argument(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
