@@ -400,10 +400,12 @@ class Generator:
             # Each emitted token except a row's last was fed back: that is how far the device lengths moved.
             cache.commit(np.concatenate([emitted - 1, np.zeros(cache.batch - R, dtype=np.int64)]))
             complete = True
+            # Steps that still emitted for some row (the first token's step aside); read after the clock stopped.
+            live = int(bufs.live_steps[:R].max()) - 1
             self.stats = GenerationStats(
                 prompt_tokens=req.prompt_tokens, new_tokens=int(emitted.sum()), prefill_s=t1 - t0,
                 decode_s=t2 - t1, decode_steps=steps, verify_steps=0 if policy is None else policy.verify_steps,
-                accepted_per_step=0.0 if policy is None else policy.accepted_per_step, rows=R,
+                accepted_per_step=0.0 if policy is None else policy.accepted_per_step, rows=R, live_steps=live,
             )
         finally:
             if not complete:  # abandoned or failed: leave a consistent, empty cache

@@ -17,6 +17,9 @@ class GenerationStats:
     verify_steps: int = 0  # of which speculative verify steps
     accepted_per_step: float = 0.0  # mean tokens per live row and verify step (0 without speculation)
     rows: int = 1  # request rows (the tokens of a row after its first come from decode steps)
+    # decode steps in which some row still emitted; the rest ran after every row had finished, until the next
+    # read-back noticed (up to read_every - 1 of them). None: every step counts.
+    live_steps: int | None = None
 
     @property
     def ms_per_step(self) -> float:
@@ -28,10 +31,16 @@ class GenerationStats:
         return max(self.new_tokens - self.rows, 0)
 
     @property
+    def steps_used(self) -> int:
+        """Decode steps that emitted tokens (all of them when unknown)."""
+        return self.decode_steps if self.live_steps is None else min(self.live_steps, self.decode_steps)
+
+    @property
     def ms_per_token(self) -> float:
-        """Decode time per token of one row: a step's time when each emits one token, less with speculation."""
+        """Decode time per token of one row over the steps that emitted (a step's time when each emits one token,
+        less with speculation; the steps run after every row finished are not charged to the tokens)."""
         per_row = self.decoded_tokens / self.rows if self.rows else 0
-        return 1e3 * self.decode_s / per_row if per_row else 0.0
+        return self.ms_per_step * self.steps_used / per_row if per_row else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -46,7 +55,7 @@ class GenerationStats:
             if self.verify_steps else ""
         )
         per_row = self.decoded_tokens // self.rows if self.rows else 0
-        steps = f" [{self.decode_steps} steps{spec}]" if self.decode_steps != per_row or spec else ""
+        steps = f" [{self.steps_used} steps{spec}]" if self.steps_used != per_row or spec else ""
         parts = [] if load_s is None else [f"load {load_s:.2f} s"]
         parts += [] if capture_s is None else [f"capture {capture_s:.1f} s"]
         parts += [

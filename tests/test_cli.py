@@ -441,3 +441,21 @@ def test_repeat_penalty_with_speculation_is_refused_up_front(talky, capsys, monk
     rc, _, err = run(capsys, "generate", "--model", str(talky), "--prompt", "hi", "--speculate", "prompt-lookup",
                      "--repeat-penalty", "1.2")
     assert rc == 2 and "not supported with speculative decoding" in err
+
+
+def test_per_token_time_leaves_out_the_steps_after_eos(plain):
+    from static_decode.stats import GenerationStats
+
+    s = GenerationStats(prompt_tokens=40, new_tokens=8, prefill_s=0.1, decode_s=1.6, decode_steps=16, live_steps=7)
+    assert s.ms_per_step == 100.0 and s.ms_per_token == 100.0  # 7 tokens from 7 live steps of 100 ms
+    assert "100.00 ms per decoded token (7 tokens)," in s.summary()
+    spec = GenerationStats(prompt_tokens=9, new_tokens=16, prefill_s=0.1, decode_s=0.6, decode_steps=6,
+                           verify_steps=5, accepted_per_step=2.5, live_steps=6)
+    assert spec.ms_per_token == 40.0 and "(15 tokens [6 steps, 5 verify steps at 2.50 tokens per step])" in (
+        spec.summary())
+    free = Generator(load_model(plain), max_len=40, eos_token_ids=[]).generate(PROMPT_IDS, 12)
+    gen = Generator(load_model(plain), max_len=40, eos_token_ids=[free[2]], read_every=16)
+    assert gen.generate(PROMPT_IDS, 12) == free[: free.index(free[2]) + 1]
+    tokens = len(gen.generate(PROMPT_IDS, 12))
+    assert gen.stats.live_steps == tokens - 1 < gen.stats.decode_steps  # steps ran on until the read-back
+    assert gen.stats.ms_per_token == pytest.approx(gen.stats.ms_per_step)
