@@ -19,6 +19,8 @@ import torch
 from static_decode.cache import SPARE_ROWS
 from static_decode.checks import check_int
 from static_decode.config import LlamaConfig
+from static_decode.quant import read_bytes as quant_read_bytes
+from static_decode.quant import weight_bytes as quant_weight_bytes
 
 GIB = 1024**3
 MEMINFO = Path("/proc/meminfo")
@@ -97,6 +99,18 @@ def generation_bytes(
         batch, chunk_size, max_len, config.hidden_size, eos_slots, dtype, draft_tokens, draft_vocab, long_chunk,
         config.vocab_size,
     )
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's weights as held: parameters, and quantized weights as stored (int8 / int4 codes and their
+    scales; static_decode.quant), a tied tensor once."""
+    return quant_weight_bytes(model)
+
+
+def read_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights one decode step reads (`weight_bytes` less the embedding rows it does not look up
+    where the head has weights of its own; static_decode.quant.read_bytes)."""
+    return quant_read_bytes(model)
 
 
 def free_bytes(device: torch.device | str) -> int | None:

@@ -189,6 +189,10 @@ def test_weight_bytes_count_the_quantized_weights():
     quant.quantize_model(model, "int8")
     head = c.vocab_size * c.hidden_size + c.vocab_size * 2
     assert quant.weight_bytes(model) == embed + norms + linears + rows * 2 + head
+    from static_decode import memory
+
+    assert memory.weight_bytes(model) == quant.weight_bytes(model)
+    assert memory.read_bytes(model) == quant.read_bytes(model) == quant.weight_bytes(model) - embed + c.hidden_size * 2
 
 
 def test_compiled_generator_decodes_quantized_with_eager_tokens():
