@@ -296,7 +296,8 @@ def test_five_turn_chat_prefills_only_each_new_turn(server, ref):
         messages.append({"role": "assistant", "content": got.choices[0].message.content})
 
 
-def _long_prompt(ref) -> tuple[list[int], int]:
+@pytest.fixture(scope="module")
+def long_prompt(ref) -> tuple[list[int], int]:
     """A prompt whose greedy continuation runs 300 tokens without EOS (so only a cancel can end it early)."""
     for text in ["class Parser:\n    def __init__(self", "def main():\n    for i in range(", *PROMPTS]:
         ids = ref.ids(text)
@@ -305,8 +306,8 @@ def _long_prompt(ref) -> tuple[list[int], int]:
     pytest.skip("no prompt here decodes 300 tokens without EOS")
 
 
-def test_disconnect_mid_stream_stops_it_and_the_next_request_is_correct(server, ref):
-    prompt, n = _long_prompt(ref)
+def test_disconnect_mid_stream_stops_it_and_the_next_request_is_correct(server, ref, long_prompt):
+    prompt, n = long_prompt
     before = httpx.get(server.url + "/health").json()
     with httpx.stream("POST", server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": n,
                                                                      "stream": True}, timeout=30) as r:
@@ -354,8 +355,8 @@ def test_concurrent_clients_answered_or_refused(server, ref):
     assert rss1 - rss0 < 16 * 1024, (rss0, rss1)  # KiB: flat, not growing with the requests served
 
 
-def _shutdown(s: Server, sig: int, ref) -> None:
-    prompt, n = _long_prompt(ref)
+def _shutdown(s: Server, sig: int, long_prompt: tuple[list[int], int]) -> None:
+    prompt, n = long_prompt
     answers: list[object] = []
 
     def open_request(stream: bool) -> None:
@@ -382,9 +383,9 @@ def _shutdown(s: Server, sig: int, ref) -> None:
 
 
 # The last tests: each stops its server (the fixtures' teardown then finds it gone).
-def test_sigint_stops_within_a_second(plain_server, ref):
-    _shutdown(plain_server, signal.SIGINT, ref)
+def test_sigint_stops_within_a_second(plain_server, long_prompt):
+    _shutdown(plain_server, signal.SIGINT, long_prompt)
 
 
-def test_sigterm_stops_within_a_second(server, ref):
-    _shutdown(server, signal.SIGTERM, ref)
+def test_sigterm_stops_within_a_second(server, long_prompt):
+    _shutdown(server, signal.SIGTERM, long_prompt)
