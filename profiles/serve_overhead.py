@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -107,6 +108,7 @@ def main() -> None:
     if len(ids) < need:
         raise SystemExit(f"the text has {len(ids)} tokens, {need} needed")
     proc, url = start_server(args, max_len)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a killed run still stops its server (finally below)
     try:
         model = load_model(args.model, dtype=args.dtype)
         capture = CaptureOptions(kinds=GREEDY_KINDS) if args.compile else None
