@@ -5,7 +5,8 @@
 
 DIR: a transformers checkpoint (SmolLM2-135M-Instruct: profiles/smollm2.py). The same weights are loaded twice,
 `fused_projections=True` (the default: one product each for q/k/v and gate/up, weights joined at load) and False,
-each compiled with the device's defaults (`Generator(compile=True)`, greedy kinds captured first). Then greedy
+each compiled with the device's defaults (`Generator(compile=True)`, greedy kinds captured first), or with
+`--eager` run by the eager steps (each projection its own call: where the joined layout changes the most calls). Then greedy
 requests of 64 new tokens take turns between the two models and over the contexts, round after round (a phase
 change of a shared machine hits both alike): decode ms/token (the prefill and first token untimed) and the time to
 the first token, medians per (layout, context).
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--eager", action="store_true", help="eager steps (no compile): every projection a call")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -59,8 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, fused in LAYOUTS.items():
         model = load_model(args.model, dtype=args.dtype, fused_projections=fused)
         t0 = time.perf_counter()
-        gens[name] = Generator(model, max_len=args.max_len, batch=1, compile=True,
-                               capture=CaptureOptions(kinds=GREEDY_KINDS, progress=False))
+        gens[name] = Generator(model, max_len=args.max_len, batch=1, compile=not args.eager,
+                               capture=None if args.eager else CaptureOptions(kinds=GREEDY_KINDS, progress=False))
         capture_s[name] = round(time.perf_counter() - t0, 1)
     vocab = next(iter(gens.values())).model.config.vocab_size
     prompts = {L: [(i * 7919) % (vocab - 1) + 1 for i in range(L)] for L in contexts}
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
                 decode[(name, L)].append(per_token)
     doc = {
         "torch": torch.__version__, "threads": args.threads, "dtype": args.dtype, "model": str(args.model),
-        "settings": next(iter(gens.values())).runner.settings.describe(), "capture_s": capture_s,
+        "settings": "eager" if args.eager else next(iter(gens.values())).runner.settings.describe(),
+        "capture_s": capture_s,
         "same_tokens": len({tuple(t) for t in tokens.values()}) == 1,
         "decode_ms_per_token": {n: {L: round(statistics.median(decode[(n, L)]), 3) for L in contexts} for n in gens},
         "first_token_ms": {n: {L: round(statistics.median(ttft[(n, L)]), 1) for L in contexts} for n in gens},
