@@ -7,10 +7,9 @@ DIR: a transformers checkpoint (SmolLM2-135M-Instruct: profiles/smollm2.py). The
 `fused_projections=True` (the default: one product each for q/k/v and gate/up, weights joined at load) and False,
 each compiled with the device's defaults (`Generator(compile=True)`, greedy kinds captured first), or with
 `--eager` run by the eager steps (each projection its own call: where the joined layout changes the most
-calls). Then greedy
-requests of 64 new tokens take turns between the two models and over the contexts, round after round (a phase
-change of a shared machine hits both alike): decode ms/token (the prefill and first token untimed) and the time to
-the first token, medians per (layout, context).
+calls). Then greedy requests of 64 new tokens take turns between the two models and over the contexts, round
+after round (a phase change of a shared machine hits both alike): decode ms/token (the prefill and first token
+untimed) and the time to the first token, medians per (layout, context).
 """
 
 from __future__ import annotations
