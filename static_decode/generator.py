@@ -125,7 +125,7 @@ class Generator:
         self.speculate = speculate
         if model.device.type == "cpu":
             # Build (or load) the CPU kernels now: the first step to need them would otherwise pay the one-time
-            # ~25 s build inside its own timing (a demo's first decode, a bench's first request).
+            # build (minutes) inside its own timing (a demo's first decode, a bench's first request).
             cpu_kernel.available()
         if isinstance(speculate, DraftModel):
             self.long_chunk = 0  # a draft model prefills chunk by chunk beside the target (its draft_prefill kind)
