@@ -1,7 +1,7 @@
 """`static-decode bench`: per-token decode latency and prefill time of every system, side by side, in one run.
 
 The command's options and entry point; the run is static_decode.commands.bench_run (how it times), the
-systems static_decode.commands.bench_systems, the tables, plot and targets static_decode.commands.bench_report.
+systems static_decode.commands.bench_systems, the tables, plot and checks static_decode.commands.bench_report.
 """
 
 from __future__ import annotations

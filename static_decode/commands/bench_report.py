@@ -1,4 +1,4 @@
-"""`static-decode bench`'s report: terminal tables, plot, JSON and the targets, from the run's JSON document.
+"""`static-decode bench`'s report: terminal tables, plot, JSON and the checks, from the run's JSON document.
 
 The JSON document (`--json PATH`):
 
@@ -13,7 +13,8 @@ The JSON document (`--json PATH`):
               the live K/V once) over its ms/token, and as a fraction of the mean read bandwidth: near 1, the
               step is memory-bound; well below, overhead or compute
     attention [{impl, length, ms, median_ms, gbps, bandwidth_fraction, read_bandwidth_gbps, ...}]
-    targets   the ratios the targets are stated in, each with "met"
+    checks    measured ratios: static-decode against transformers per context, and the design's expectations
+              (bucketed reads below full reads, cost following the bytes read), each of those with "met"
     notes     skipped systems, token mismatches, the profile trace
 """
 
@@ -27,7 +28,6 @@ from capture.buckets import BucketLadder
 
 ONE_CALL = "sdpa_folded"  # attention rows written before "impl" was recorded are this formulation's
 
-SPEEDUP_TARGET = 3.0  # static-decode vs transformers, per token, at every context
 CLEARLY_BELOW = 1.2  # full-read / static-decode at max_len/16 counts as "clearly below" from here
 ATTENTION_SLACK = 1.25  # attention(bucket) / attention(max_len) within this factor of bucket / max_len
 LONG_CONTEXT_SLACK = 1.25  # ms(context) / ms(shortest) within this factor of the bytes ratio
@@ -64,22 +64,19 @@ def _ms(doc: dict[str, Any], system: str, context: int) -> float | None:
     return next((r["ms_per_token"] for r in doc["rows"] if (r["system"], r["context"]) == (system, context)), None)
 
 
-def targets(doc: dict[str, Any]) -> dict[str, Any]:
+def checks(doc: dict[str, Any]) -> dict[str, Any]:
     """The bench's checks as measured ratios (a check whose systems did not run is absent)."""
     out: dict[str, Any] = {}
     contexts, max_len = doc["bench"]["contexts"], doc["bench"]["max_len"]
     pairs = [(c, _ms(doc, "static-decode", c), _ms(doc, "transformers", c)) for c in contexts]
     speedups = [{"context": c, "ratio": round(t / s, 2)} for c, s, t in pairs if s and t]
     if speedups:
-        out["transformers_over_static_decode"] = {
-            "target": f">= {SPEEDUP_TARGET} at every context", "by_context": speedups,
-            "met": all(x["ratio"] >= SPEEDUP_TARGET for x in speedups),
-        }
+        out["transformers_over_static_decode"] = {"by_context": speedups}  # a ratio to read, not a check
     short = max_len // 16
     s, f = _ms(doc, "static-decode", short), _ms(doc, "full-read", short)
     if s and f:
         out["full_read_over_static_decode_at_max_len_16"] = {
-            "context": short, "ratio": round(f / s, 2), "target": f"clearly > 1 (counted from {CLEARLY_BELOW})",
+            "context": short, "ratio": round(f / s, 2), "expect": f"clearly > 1 (counted from {CLEARLY_BELOW})",
             "met": f / s >= CLEARLY_BELOW,
         }
     # The one-call formulation: what "auto" runs at these rows' head shape (8 KV heads) on 1, 2, 4 or 8 threads.
@@ -94,7 +91,7 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
                            "measured_ratio": round(got, 4), "over_ideal": round(got / ideal, 2),
                            "met": got / ideal <= ATTENTION_SLACK})
     if checks:
-        out["attention_bucket_over_max_len"] = {"target": f"within {ATTENTION_SLACK}x of bucket/max_len",
+        out["attention_bucket_over_max_len"] = {"expect": f"within {ATTENTION_SLACK}x of bucket/max_len",
                                                 "checks": checks, "met": all(c["met"] for c in checks)}
     model = doc.get("model", {})
     first = min(contexts)
@@ -114,7 +111,7 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
                 })
         if growth:
             out["long_context_over_bytes"] = {
-                "target": f"ms(context) / ms({first}) within {LONG_CONTEXT_SLACK}x of (weights + live K/V) bytes ratio",
+                "expect": f"ms(context) / ms({first}) within {LONG_CONTEXT_SLACK}x of (weights + live K/V) bytes ratio",
                 "by_context": growth, "met": all(g["met"] for g in growth),
             }
     return out
@@ -201,14 +198,15 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 
 def report(doc: dict[str, Any], *, json_path: Path | None = None, plot_path: Path | None = None) -> None:
-    """Print the tables, targets and notes; write the JSON and the plot when asked."""
+    """Print the tables, checks and notes; write the JSON and the plot when asked."""
     from rich.console import Console
 
     console = Console(width=max(120, Console().width))
     for t in tables(doc):
         console.print(t)
-    for name, t in doc["targets"].items():
-        console.print(f"target {name}: {'met' if t['met'] else 'MISSED'} ({json.dumps(t)})")
+    for name, t in doc["checks"].items():
+        verdict = "ratio" if "met" not in t else "holds" if t["met"] else "FAILS"
+        console.print(f"{name}: {verdict} ({json.dumps(t)})")
     for note in doc["notes"]:
         console.print(f"note: {note}")
     load = doc["machine"]

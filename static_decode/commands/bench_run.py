@@ -15,7 +15,7 @@ machine hits all of them alike. Every system's tokens are compared with `static-
 
 With profiles/ present (a source checkout) the run also times decode attention alone at Llama-3.1-8B head
 shape against the machine's read bandwidth (profiles/attention_bench.py) for the JSON's "attention" rows.
-Tables, the plot and the targets live in static_decode.commands.bench_report; the options in
+Tables, the plot and the checks live in static_decode.commands.bench_report; the options in
 static_decode.commands.bench.
 
 Under torchrun (`torchrun --nproc-per-node N -m static_decode bench ...`) every rank loads its shard and runs
@@ -41,7 +41,7 @@ from static_decode import ranges
 from static_decode.attention import IMPLS
 from static_decode.commands.args import check_device
 from static_decode.commands.bench_config import PROFILE_STEPS, BenchConfig
-from static_decode.commands.bench_report import bound, targets
+from static_decode.commands.bench_report import bound, checks
 from static_decode.commands.bench_systems import TP_SYSTEMS, System, build, load_profiles_module
 from static_decode.loading import default_model_path, load_model, load_tokenizer
 from static_decode.progress import progress_bar
@@ -281,7 +281,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
             doc["notes"].append(f"{r['system']} at context {r['context']}: greedy tokens differ from static-decode "
                                 f"from new token {r['first_mismatch']} on")
     doc["bound"] = bound(doc)
-    doc["targets"] = targets(doc)
+    doc["checks"] = checks(doc)
     return doc
 
 
@@ -328,7 +328,7 @@ def _attention(
     if bench is None:
         notes.append("attention: skipped (profiles/attention_bench.py is only in a source checkout)")
         return []
-    # The lengths the targets compare: the bucket of max_len/16 and max_len, for this sweep's max_len and for
+    # The lengths the checks compare: the bucket of max_len/16 and max_len, for this sweep's max_len and for
     # the longest attention length (an 8B-sized cache).
     lengths = set(config.attention_lengths)
     for m in (config.max_len, max(config.attention_lengths)):
