@@ -213,7 +213,7 @@ def test_gguf_option_reaches_the_config_and_the_command(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     config = bench.config_from_args(_args("--gguf", str(gguf), "--systems", "static-decode,llama.cpp"))
-    assert config.gguf == gguf and config.systems == ("static-decode", "llama.cpp")
+    assert config.gguf == (bench_config.GGUFFile(gguf),) and config.systems == ("static-decode", "llama.cpp")
     assert f"--gguf {gguf}" in config.command(1)
     assert "llama.cpp" not in bench_systems.TP_SYSTEMS  # one process: skipped under torchrun
     with pytest.raises(FileNotFoundError, match="--gguf .*missing.gguf: no such file"):

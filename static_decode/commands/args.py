@@ -170,7 +170,8 @@ def speculation(args: argparse.Namespace, model: Llama) -> Speculation | None:
 
 
 def add_quantize_argument(p: argparse.ArgumentParser) -> None:
-    """--quantize (generate, demo, chat, bench, capture-report): weight-only int8 / int4 (static_decode.quant)."""
+    """--quantize (generate, demo, chat, serve, capture-report; bench takes several forms, its own option):
+    weight-only int8 / int4 (static_decode.quant)."""
     from static_decode.quant import CHOICES
 
     p.add_argument("--quantize", default=None, choices=CHOICES,

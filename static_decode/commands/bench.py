@@ -11,18 +11,20 @@ from pathlib import Path
 from typing import Any
 
 from capture.settings import CompileSettings
-from static_decode.commands.args import add_quantize_argument, int_list, name_list
+from static_decode.commands.args import int_list, name_list
 from static_decode.commands.bench_config import QUICK, BenchConfig
 from static_decode.commands.bench_report import report
 from static_decode.commands.bench_run import run
 from static_decode.commands.bench_systems import SYSTEMS
+from static_decode.quant import CHOICES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = BenchConfig()
     p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: embedded model)")
-    p.add_argument("--gguf", type=Path, default=None,
-                   help="GGUF of the same weights for the llama.cpp system (skipped without it)")
+    p.add_argument("--gguf", action="append", default=None, metavar="[NAME=]PATH[,...]",
+                   help="GGUFs of the same weights, one llama.cpp system each, named NAME or after the file's quant "
+                   "type ('llama.cpp Q8_0'); comma-separated and/or repeated (llama.cpp is skipped without one)")
     p.add_argument("--contexts", type=int_list, default=None, help=f"live context lengths (default {d.contexts})")
     p.add_argument("--max-len", type=int, default=d.max_len, help="cache capacity (fixed over the sweep)")
     p.add_argument("--steps", type=int, default=None, help=f"timed decode steps per request (default {d.steps})")
@@ -35,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="static-decode's K/V cache dtype (default: the model's; llama.cpp's own default is f16)")
-    add_quantize_argument(p)
+    p.add_argument("--quantize", default=None, metavar="FORM[,FORM...]",
+                   help=f"static-decode's weight forms, each its own systems ('static-decode int8'): none (the "
+                   f"checkpoint's dtype), {', '.join(CHOICES)} (static_decode.quant; CPU); e.g. none,int8,int4")
     p.add_argument("--attention-lengths", type=int_list, default=None, help="attention microbenchmark lengths")
     p.add_argument("--no-attention", action="store_true", help="skip the attention microbenchmark")
     p.add_argument("--transformers-compile", action=argparse.BooleanOptionalAction, default=True,

@@ -5,13 +5,17 @@ The JSON document (`--json PATH`):
     machine   cpu, cores, threads, torch, python, device, load averages before and after the run
     model     path, parameters, layers, hidden, heads, kv_heads, head_dim, vocab, dtype
     bench     the reproducing command, max_len, contexts, steps, repeats, warmup, prompt, how it is timed
-    systems   [{system, setup_s, mode | skipped}]
+    systems   [{system, setup_s, mode | skipped, weight_bytes?, weight_bytes_counted?, quantize? | gguf?,
+                file_type?}]: weight_bytes are the bytes of weights one decode step of that system reads
+                (static_decode.commands.bench_lineup says how each kind is counted)
     rows      [{system, context, max_len, ms_per_token, prefill_ms, ms_per_token_best, prefill_ms_best,
-                decode_steps, repeats, tokens_match, first_mismatch, ms_per_token_samples, read_len?}]
+                decode_steps, repeats, tokens_match, first_mismatch, compared_with, ms_per_token_samples,
+                read_len?}]
     bandwidth {read_gbps_before, read_gbps_after, probe}: a plain sum's read rate around the sweep
-    bound     [{system, context, bytes_per_token, gbps, read_fraction}]: each row's bytes floor (every weight and
-              the live K/V once) over its ms/token, and as a fraction of the mean read bandwidth: near 1, the
-              step is memory-bound; well below, overhead or compute
+    bound     [{system, context, bytes_per_token, gbps, read_fraction}]: each row's bytes floor (the system's own
+              weight bytes and the live K/V once) over its ms/token, and as a fraction of the mean read
+              bandwidth: near 1, the step is memory-bound; well below, overhead or compute
+    relative  {to, rows: [{system, context, ms_per_token, prefill_ms}]}: each median over the first system's
     attention [{impl, length, ms, median_ms, gbps, bandwidth_fraction, read_bandwidth_gbps, ...}]
     checks    measured ratios: static-decode against transformers per context, and the design's expectations
               (bucketed reads below full reads, cost following the bytes read), each of those with "met"
@@ -34,14 +38,21 @@ LONG_CONTEXT_SLACK = 1.25  # ms(context) / ms(shortest) within this factor of th
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
-def bytes_per_token(model: dict[str, Any], context: int) -> int:
+def bytes_per_token(model: dict[str, Any], context: int, weights: int | None = None) -> int:
     """Bytes a decode step must read at `context` live tokens: every weight once plus the live K/V (the floor),
-    the K/V in the cache's own dtype (`kv_dtype`; older documents: the model's)."""
+    the K/V in the cache's own dtype (`kv_dtype`; older documents: the model's). `weights`: the system's own
+    weight bytes; None: the model's (older documents: its quantized count, else every parameter in its dtype)."""
     size = DTYPE_BYTES[model["dtype"]]
     kv_size = DTYPE_BYTES[model.get("kv_dtype", model["dtype"])]
     kv = 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * kv_size  # K and V of one token, all layers
-    weights = model.get("weight_bytes", model["parameters"] * size)  # a quantized model's own count
+    if weights is None:
+        weights = model.get("weight_bytes", model["parameters"] * size)
     return weights + context * kv
+
+
+def weight_bytes(doc: dict[str, Any]) -> dict[str, int]:
+    """system name -> the weight bytes it counted for itself (systems that did not: absent)."""
+    return {e["system"]: e["weight_bytes"] for e in doc.get("systems", []) if "weight_bytes" in e}
 
 
 def bound(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -51,13 +62,27 @@ def bound(doc: dict[str, Any]) -> list[dict[str, Any]]:
     if not bw or not {"parameters", "dtype", "layers", "kv_heads", "head_dim"} <= set(model):
         return []
     read = (bw["read_gbps_before"] + bw["read_gbps_after"]) / 2
+    own = weight_bytes(doc)
     out = []
     for r in doc["rows"]:
-        nbytes = bytes_per_token(model, r["context"])
+        nbytes = bytes_per_token(model, r["context"], own.get(r["system"]))
         gbps = nbytes / (r["ms_per_token"] * 1e-3) / 1e9
         out.append({"system": r["system"], "context": r["context"], "bytes_per_token": nbytes,
                     "gbps": round(gbps, 2), "read_fraction": round(gbps / read, 2)})
     return out
+
+
+def relative(doc: dict[str, Any]) -> dict[str, Any]:
+    """Every row's median ms/token and prefill over those of the first system (the first in the rows) at the
+    same context; {} without rows."""
+    if not doc["rows"]:
+        return {}
+    first = doc["rows"][0]["system"]
+    base = {r["context"]: r for r in doc["rows"] if r["system"] == first}
+    rows = [{"system": r["system"], "context": r["context"],
+             **{k: round(r[k] / base[r["context"]][k], 3) for k in ("ms_per_token", "prefill_ms")}}
+            for r in doc["rows"] if r["context"] in base]
+    return {"to": first, "rows": rows}
 
 
 def _ms(doc: dict[str, Any], system: str, context: int) -> float | None:
@@ -102,7 +127,8 @@ def checks(doc: dict[str, Any]) -> dict[str, Any]:
         for c in sorted(contexts)[1:]:
             ms = _ms(doc, "static-decode", c)
             if ms:
-                ideal = bytes_per_token(model, c) / bytes_per_token(model, first)
+                own = weight_bytes(doc).get("static-decode")
+                ideal = bytes_per_token(model, c, own) / bytes_per_token(model, first, own)
                 other = _ms(doc, "llama.cpp", c)
                 growth.append({
                     "context": c, "ideal_ratio": round(ideal, 3), "measured_ratio": round(ms / base, 3),
@@ -141,15 +167,27 @@ def tables(doc: dict[str, Any]) -> list[Any]:
                 cells += [f"{row[a][key] / row[ref][key]:.2f}x" for a, ref in ratios]
             t.add_row(str(c), *cells)
         out.append(t)
+    rel = doc.get("relative") or {}
+    if len(names) > 1 and rel.get("rows"):
+        t = Table(title=f"median over {rel['to']}'s (ms/token | prefill)")
+        t.add_column("context", justify="right")
+        for n in names:
+            t.add_column(n, justify="right")
+        for c in b["contexts"]:
+            row = {x["system"]: x for x in rel["rows"] if x["context"] == c}
+            t.add_row(str(c), *(f"{row[n]['ms_per_token']:.2f}x | {row[n]['prefill_ms']:.2f}x" if n in row else ""
+                                for n in names))
+        out.append(t)
     s = Table(title="systems")
-    for col in ("system", "setup s", "mode"):
+    for col in ("system", "setup s", "weights MB", "mode"):
         s.add_column(col)
     for e in doc["systems"]:
-        s.add_row(e["system"], f"{e['setup_s']:.1f}", e.get("mode") or e.get("skipped", ""))
+        mb = f"{e['weight_bytes'] / 1e6:.1f}" if "weight_bytes" in e else ""
+        s.add_row(e["system"], f"{e['setup_s']:.1f}", mb, e.get("mode") or e.get("skipped", ""))
     out.append(s)
     if doc.get("bound"):
         bw = doc["bandwidth"]
-        g = Table(title=f"bytes floor (weights + live K/V) per ms/token, GB/s (fraction of the read bandwidth, "
+        g = Table(title=f"bytes floor (own weights + live K/V) per ms/token, GB/s (fraction of the read bandwidth, "
                         f"{bw['read_gbps_before']} / {bw['read_gbps_after']} GB/s before / after)")
         g.add_column("context", justify="right")
         for n in names:

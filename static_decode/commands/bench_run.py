@@ -11,7 +11,9 @@ Both end at a read-back, so they hold the device work and the host overhead (the
 `read_every` steps included). ms_per_token = decode_s / steps of one request (the mean over its steps); the
 table reports the median over `repeats` requests after `warmup` requests, and the JSON also the best. Systems
 take turns request by request (system 1, 2, ..., 1, 2, ...), so a burst of load from a neighbour on a shared
-machine hits all of them alike. Every system's tokens are compared with `static-decode`'s.
+machine hits all of them alike. Every system's tokens are compared with `static-decode`'s of the same weight
+form (static_decode.commands.bench_lineup: the forms of --quantize, the GGUFs of --gguf); the report gives each
+system's medians and their ratios to the first system's.
 
 With profiles/ present (a source checkout) the run also times decode attention alone at Llama-3.1-8B head
 shape against the machine's read bandwidth (profiles/attention_bench.py) for the JSON's "attention" rows.
@@ -41,11 +43,11 @@ from static_decode import ranges
 from static_decode.attention import IMPLS
 from static_decode.commands.args import check_device
 from static_decode.commands.bench_config import PROFILE_STEPS, BenchConfig
-from static_decode.commands.bench_report import bound, checks
+from static_decode.commands.bench_lineup import load_forms, plan, read_gguf, weights
+from static_decode.commands.bench_report import bound, checks, relative
 from static_decode.commands.bench_systems import TP_SYSTEMS, System, build, load_profiles_module
-from static_decode.loading import default_model_path, load_model, load_tokenizer
+from static_decode.loading import default_model_path, load_tokenizer
 from static_decode.progress import progress_bar
-from static_decode.quant import read_bytes
 
 
 @dataclass
@@ -209,8 +211,11 @@ def run(config: BenchConfig) -> dict[str, Any]:
         raise FileNotFoundError(f"no checkpoint at {path}")
     device = check_device(config.device)  # one line for a device this machine lacks, before the model loads
     doc: dict[str, Any] = {"machine": machine(threads, device)}
-    model = load_model(path, dtype=config.dtype, device=device, tp=tp, quantize=config.quantize)
-    model.kv_dtype = config.kv_dtype
+    # every GGUF's type and tensor bytes (a bad file refused) before minutes of loading and compiling
+    facts = {g.path: read_gguf(g.path) for g in config.gguf} if "llama.cpp" in config.systems else {}
+    planned = plan(config, facts)
+    models = load_forms(path, config, device, tp)  # static-decode's model, once per weight form
+    model = models[config.forms[0]]
     if tp.enabled:
         doc["machine"]["tensor_parallel"] = {"world": tp.world, "backend": tp.backend()}
     c = model.config
@@ -221,8 +226,8 @@ def run(config: BenchConfig) -> dict[str, Any]:
         "hidden": c.hidden_size, "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
         "vocab": c.vocab_size, "dtype": str(model.dtype).removeprefix("torch."),
         "kv_dtype": str(model.kv_dtype).removeprefix("torch."),
-        # Quantized: the bytes floor counts the weights a decode step reads (static_decode.quant.read_bytes).
-        **({"quantize": config.quantize, "weight_bytes": read_bytes(model)} if config.quantize else {}),
+        # the forms' systems each count their own weight bytes (doc["systems"][i]["weight_bytes"])
+        **({"quantize": list(config.quantize)} if config.quantize else {}),
     }
     doc["bench"] = {
         "command": config.command(threads),
@@ -233,26 +238,33 @@ def run(config: BenchConfig) -> dict[str, Any]:
         "systems and contexts interleaved request by request",
     }
     systems: list[System] = []
+    references: dict[str, str] = {}  # system name -> the system whose tokens its tokens are compared with
     doc["systems"], doc["notes"], rows = [], [], []
-    work = len(config.systems) * (1 + len(config.contexts) * config.repeats) + (config.attention_lengths is not None)
+    work = len(planned) * (1 + len(config.contexts) * config.repeats) + (config.attention_lengths is not None)
     with progress_bar("bench", work, enabled=config.progress) as advance:
-        for name in config.systems:
-            advance(f"setting up {name}", 0)
+        for p in planned:
+            advance(f"setting up {p.name}", 0)
             t0 = time.perf_counter()
-            if tp.enabled and name not in TP_SYSTEMS:
+            own = models.get(p.form, model)
+            if p.skip:
+                system, why = None, p.skip
+            elif tp.enabled and p.kind not in TP_SYSTEMS:
                 system, why = None, "skipped: not tensor-parallel (it runs the whole model in one process)"
             else:
                 with ranges.range(ranges.bench_name("setup")):
-                    system, why = build(name, model, path=path, max_len=config.max_len, settings=config.settings,
-                                        transformers_compile=config.transformers_compile, gguf=config.gguf,
-                                        threads=threads)
-            entry = {"system": name, "setup_s": round(time.perf_counter() - t0, 2)}
-            doc["systems"].append(entry | ({"mode": system.mode} if system else {"skipped": why}))
-            advance(f"{name} ready", 1 + (0 if system else len(config.contexts) * config.repeats))
+                    system, why = build(p.kind, own, path=path, max_len=config.max_len, settings=config.settings,
+                                        transformers_compile=config.transformers_compile,
+                                        gguf=p.gguf.path if p.gguf else None, threads=threads)
+            entry = {"system": p.name, "setup_s": round(time.perf_counter() - t0, 2)}
+            entry |= {"mode": system.mode, **weights(p, system, own)} if system else {"skipped": why}
+            doc["systems"].append(entry)
+            advance(f"{p.name} ready", 1 + (0 if system else len(config.contexts) * config.repeats))
             if system is None:
-                doc["notes"].append(f"{name}: {why}")
+                doc["notes"].append(f"{p.name}: {why}")
             else:
+                system.name = p.name  # "static-decode int8", "llama.cpp Q8_0": the timings are keyed by it
                 systems.append(system)
+                references[p.name] = p.reference
         gate = IdleGate(config.wait_idle)
         before = read_bandwidth(device)
         by_context = time_interleaved(
@@ -260,9 +272,9 @@ def run(config: BenchConfig) -> dict[str, Any]:
             warmup=config.warmup, tick=lambda L: advance(f"context {L}", 1), gate=gate,
         )
         for L, timings in by_context.items():
-            reference = timings.get("static-decode")
             for s in systems:
-                rows.append(_row(s, timings[s.name], L, config.max_len, reference))
+                ref = references[s.name]
+                rows.append(_row(s, timings[s.name], L, config.max_len, timings.get(ref)) | {"compared_with": ref})
         if config.profile is not None and systems:
             _profile(systems[0], prompt[: config.contexts[0]], config.profile)
             doc["notes"].append(f"torch.profiler trace of {PROFILE_STEPS} {systems[0].name} decode steps at "
@@ -278,9 +290,10 @@ def run(config: BenchConfig) -> dict[str, Any]:
         doc["machine"]["idle_gate"] = gate.stats
     for r in rows:
         if r["tokens_match"] is False:
-            doc["notes"].append(f"{r['system']} at context {r['context']}: greedy tokens differ from static-decode "
-                                f"from new token {r['first_mismatch']} on")
+            doc["notes"].append(f"{r['system']} at context {r['context']}: greedy tokens differ from "
+                                f"{r['compared_with']}'s from new token {r['first_mismatch']} on")
     doc["bound"] = bound(doc)
+    doc["relative"] = relative(doc)
     doc["checks"] = checks(doc)
     return doc
 

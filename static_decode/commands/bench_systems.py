@@ -23,7 +23,8 @@ EOS never stops a request (every system emits exactly new_tokens), so every requ
   eager, the one-token decode function compiled with torch.compile(mode="reduce-overhead", fullgraph=True); eager
   if that fails.
 * `llama.cpp`: llama-cpp-python (the `llamacpp` extra) on a GGUF of the same weights (`--gguf PATH`; e.g. written
-  by profiles/smollm2.py with llama.cpp's own convert_hf_to_gguf.py), on the CPU with the bench's threads. Greedy
+  by profiles/smollm2.py with llama.cpp's own convert_hf_to_gguf.py), on the CPU with the bench's threads; one
+  system per GGUF with several (static_decode.commands.bench_lineup names them after their quant types). Greedy
   by argmax of the last logits row after each `eval`, not llama.cpp's sampler chain, so nothing but the logits
   decides a token. Skipped with a note when llama_cpp is not installed or no GGUF is given.
 """
