@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("decode_attention.cpp", "gemv_bf16.cpp", "decode_layers.cpp")]
+SOURCES = [CSRC / name for name in ("decode_attention.cpp", "gemv_bf16.cpp", "gemv_quant.cpp", "decode_layers.cpp")]
 # Hashed into the build flags: torch's builder tracks only the sources.
 HEADERS = [CSRC / name for name in ("kernels.h", "checks.h", "attention_avx512.h")]
 ENV = "STATIC_DECODE_CPU_KERNEL"  # "0": never build or use the kernels

@@ -20,7 +20,7 @@ from static_decode import cpu_kernel
 from static_decode.attention import resolve_impl
 from static_decode.cache import StaticKVCache
 from static_decode.model import Block, Llama
-from static_decode.quant import scheme_of
+from static_decode.quant import QuantWeight, Scheme
 
 DTYPES = (torch.float32, torch.bfloat16)  # model dtypes the kernel takes (bfloat16 where AVX512-BF16 is)
 
@@ -33,7 +33,6 @@ def unsupported(model: Llama, cache: StaticKVCache) -> str | None:
     reasons = (
         (model.device.type != "cpu", f"the model is on {model.device}, the kernel is the CPU's"),
         (model.tp.enabled, "a tensor-parallel model (its all-reduces stay in the step graph)"),
-        (scheme_of(model) is not None, f"{getattr(scheme_of(model), 'name', '')} weights (the kernel reads floats)"),
         (cache.batch != 1, f"batch {cache.batch}: the kernel reads the weights once for one row"),
         (model.dtype not in DTYPES, f"model dtype {model.dtype}"),
         (model.dtype == torch.bfloat16 and not cpu_kernel.bf16_dot(), "bfloat16 weights need AVX512-BF16"),
@@ -44,21 +43,54 @@ def unsupported(model: Llama, cache: StaticKVCache) -> str | None:
     for bad, why in reasons:
         if bad:
             return why
+    formats = {getattr(s, "name", "float") for s in projection_formats(model)}
+    if len(formats) > 1:
+        return f"projections in several formats ({', '.join(sorted(formats))}): the kernel takes one"
     impl = resolve_impl(model.attn_impl, 1, cache.kv_heads, groups, cache.device, c.head_dim, cache.dtype)
     if impl != "decode_kernel":
         return f"attention {model.attn_impl!r} resolves to {impl!r}, not the decode kernel"
     return None
 
 
-def layer_weights(block: Block) -> list[torch.Tensor]:
-    """The nine tensors of a block in the kernel's order (csrc/decode_layers.cpp, kPerLayer); q/k/v and gate/up
-    are row blocks (contiguous views) of the joined weights where the model joined them."""
+def projection_formats(model: Llama) -> set[Scheme | None]:
+    """The formats of the decoder layers' projections: their QuantWeights' schemes, None for float weights."""
+    return {
+        m.weight.scheme if isinstance(m.weight, QuantWeight) else None
+        for block in model.layers for part in (block.self_attn, block.mlp) for m in part.children()
+        if isinstance(getattr(m, "weight", None), QuantWeight)
+        or (isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2)
+    }
+
+
+def _rows(weight: torch.Tensor | QuantWeight, sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """A weight's row blocks (contiguous views) as (weight, None), or a quantized one's as (codes, scales): a
+    quantized row's codes and scales are its own (per-row scales, groups along K)."""
+    if isinstance(weight, QuantWeight):
+        return list(zip(weight.qweight.split(sizes), weight.scales.split(sizes), strict=True))
+    return [(w, None) for w in weight.split(sizes)]
+
+
+def layer_weights(block: Block) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The nine tensors of a block in the kernel's order (csrc/decode_layers.cpp, kPerLayer), a quantized
+    projection's codes in its weight's place, and the scales of the seven projections (empty for a float model);
+    q/k/v and gate/up are row blocks (contiguous views) of the joined weights where the model joined them."""
     a, m = block.self_attn, block.mlp
-    (wq, wk, wv), (gate, up) = a.qkv_weights(), m.glu_weights()
-    return [
-        block.input_layernorm.weight, wq, wk, wv, a.o_proj.weight,
-        block.post_attention_layernorm.weight, gate, up, m.down_proj.weight,
+    if a.fused:
+        qkv = _rows(a.qkv_proj.weight, list(a.sizes))
+    else:
+        qkv = [_rows(p.weight, [p.weight.shape[0]])[0] for p in (a.q_proj, a.k_proj, a.v_proj)]
+    if m.fused:
+        gate_up = _rows(m.gate_up_proj.weight, [m.inner, m.inner])
+    else:
+        gate_up = [_rows(p.weight, [p.weight.shape[0]])[0] for p in (m.gate_proj, m.up_proj)]
+    o, down = (_rows(p.weight, [p.weight.shape[0]])[0] for p in (a.o_proj, m.down_proj))
+    (q, k, v), (gate, up) = qkv, gate_up
+    weights = [
+        block.input_layernorm.weight, q[0], k[0], v[0], o[0],
+        block.post_attention_layernorm.weight, gate[0], up[0], down[0],
     ]
+    scales = [s for _, s in (q, k, v, o, gate, up, down) if s is not None]
+    return weights, scales
 
 
 class FusedLayers:
@@ -76,7 +108,15 @@ class FusedLayers:
         self.eps = float(model.config.rms_norm_eps)
         # The parameters themselves (not copies): a load_state_dict into the model is seen; contiguous already
         # (nn.Linear's), checked by the kernel on every call.
-        self.weights = [w.detach() for block in model.layers[start:stop] for w in layer_weights(block)]
+        self.weights: list[torch.Tensor] = []
+        self.scales: list[torch.Tensor] = []  # a quantized model's: 7 a layer (the kernel's kQuantIndex order)
+        for block in model.layers[start:stop]:
+            weights, scales = layer_weights(block)
+            self.weights += [w.detach() for w in weights]
+            self.scales += scales
+        schemes = projection_formats(model) - {None}
+        scheme = next(iter(schemes)) if len(schemes) == 1 else None  # one format (`unsupported` says why not)
+        self.group = -1 if scheme is None else scheme.group  # -1: float; 0: int8; else the int4 group
 
     def __call__(
         self,
@@ -92,6 +132,11 @@ class FusedLayers:
     ) -> torch.Tensor:
         """x [1, 1, D] through the layers; k/v [n, 1, Hkv, max_len + spare, d] the span's cache layers (written in
         place at lens, the old length); cos/sin [1, 1, 1, d/2]. Returns x after the last layer."""
+        if self.group >= 0:
+            return torch.ops.static_decode_cpu.decode_layers_q(
+                x.contiguous(), cos.contiguous(), sin.contiguous(), k, v, lens, n_new, lens_after, int(read_len),
+                self.weights, self.scales, self.group, self.eps,
+            )  # [1, 1, D]
         return torch.ops.static_decode_cpu.decode_layers(
             x.contiguous(), cos.contiguous(), sin.contiguous(), k, v, lens, n_new, lens_after, int(read_len),
             self.weights, self.eps,

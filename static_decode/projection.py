@@ -119,7 +119,7 @@ def glu(
     AVX512-BF16, one kernel call (cpu_kernel.gemv_bf16_glu: both products and the silu, each product rounded to
     x's dtype first, as the separate calls round it)."""
     if not _fusable(x, (gate, up), (b_gate, b_up)):
-        return F.silu(linear(x, gate, b_gate)) * linear(x, up, b_up)
+        return _silu_mul(linear(x, gate, b_gate), linear(x, up, b_up), quantized=isinstance(gate, QuantWeight))
     return cpu_kernel.gemv_bf16_glu(x, gate, up).view(*x.shape[:-1], gate.shape[0])  # [..., N]
 
 
@@ -140,4 +140,13 @@ def glu_joined(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         gate, up = weight.split(inner)  # [inner, K] each: contiguous row blocks
         return glu(x, gate, up)
     gate, up = linear(x, weight, bias).split(inner, dim=-1)  # [..., inner] views of one product
+    return _silu_mul(gate, up, quantized=isinstance(weight, QuantWeight))
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor, quantized: bool) -> torch.Tensor:
+    """silu(gate) * up. Quantized models compute it in float32 and round once, as the fused decode layers and
+    gemv_bf16_glu do (and inductor's fused pointwise kernel): a quantized model's eager one-token steps give the
+    fused layers' values bit for bit in bfloat16. Float models keep torch's two roundings (their reference)."""
+    if quantized and gate.dtype != torch.float32:
+        return (F.silu(gate.float()) * up.float()).to(gate.dtype)
     return F.silu(gate) * up

@@ -37,8 +37,9 @@ def hf_llama(
     vocab: int = VOCAB,
     kv_heads: int = 2,
     bias: bool = False,
+    hidden: int = 64,
 ):
-    """A random transformers LlamaForCausalLM: hidden 64, GQA 8 query / 2 KV heads (kv_heads to change), weights
+    """A random transformers LlamaForCausalLM: hidden 64 (`hidden`; the MLP twice it), GQA 8 query / 2 KV heads (kv_heads to change), weights
     large enough that logits spread over several units (so a 1e-4 agreement is not trivially met by near-zero
     logits). bias=True: every projection has a (random, nonzero) bias."""
     import transformers
@@ -46,8 +47,8 @@ def hf_llama(
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=kv_heads,

@@ -156,7 +156,8 @@ def test_rank_joins_its_own_slices(ckpts, world):
 def test_fused_decode_gets_row_block_views():
     _, fused = pair(CFG)
     block = fused.layers[0]
-    ws = fused_decode.layer_weights(block)
+    ws, scales = fused_decode.layer_weights(block)
+    assert scales == []  # a float model's
     joined, gate_up = block.self_attn.qkv_proj.weight, block.mlp.gate_up_proj.weight
     q, k, v, gate, up = ws[1], ws[2], ws[3], ws[6], ws[7]
     assert [t.shape[0] for t in (q, k, v)] == [64, 16, 16] and gate.shape[0] == up.shape[0] == 128

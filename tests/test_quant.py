@@ -2,12 +2,12 @@
 
 Pins:
 * the stored formats decode to exactly what a plain reference quantizer (written here, group by group) gives:
-  int8 per channel, int4 grouped with its range search; so the packing into torch's CPU int4 layout round-trips;
-* the products (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`) agree with a float64 product by
-  the dequantized weight, one row and a chunk, float32 and bfloat16;
+  int8 per channel, int4 grouped with its range search; so the int4 packing round-trips;
+* the products (our one-row kernel, the dequantized GEMM for chunks) agree with a float64 product by the
+  dequantized weight, one row and a chunk, float32 and bfloat16;
 * a quantized model's logits agree with a float64 model built from the dequantized weights; the tied head is
   quantized too, the embedding is not; `weight_bytes` counts the quantized bytes;
-* a quantized model decodes compiled with eager's greedy tokens;
+* a quantized model decodes compiled (through the fused decode layers) with eager's greedy tokens;
 * what the path does not take is refused in one line naming it.
 """
 
@@ -68,17 +68,16 @@ def test_formats_decode_to_the_reference_quantizer(scheme, dtype):
     assert qw.nbytes == want
 
 
-@pytest.mark.parametrize("N", [16, 48, 64, 80, 192, 208])
-def test_int4_unpack_reads_torch_layout(N):
-    """`unpack_int4` against the layout's own product: one-hot rows with scale 1 and offset 8 give each code back
-    (small integers, exact in float32), whole blocks and a partial last block alike."""
-    K, group = 64, 32
-    q = torch.randint(0, 16, (N, K), dtype=torch.int32, generator=torch.Generator().manual_seed(N))
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    sz = torch.stack([torch.ones(K // group, N), torch.full((K // group, N), 8.0)], -1)  # [G, N, 2]
-    probe = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(K), packed, group, sz).t()  # [N, K]
-    assert torch.equal(probe.round().to(torch.int32), q)
-    assert torch.equal(quant.unpack_int4(packed, N, K).to(torch.int32), q)
+def test_int4_packing_puts_two_runs_of_32_columns_in_each_chunk():
+    """`pack_int4`: in each chunk of 64 columns byte j holds column j (low nibble) and column j + 32 (high); and
+    `unpack_int4` gives the codes back."""
+    q = torch.randint(0, 16, (5, 128), dtype=torch.int32, generator=torch.Generator().manual_seed(5))
+    packed = quant.pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 64)
+    for c in range(2):
+        for j in (0, 17, 31):
+            assert int(packed[3, 32 * c + j]) == int(q[3, 64 * c + j]) | int(q[3, 64 * c + 32 + j]) << 4
+    assert torch.equal(quant.unpack_int4(packed).to(torch.int32), q)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -128,7 +127,8 @@ def test_group_that_does_not_divide_is_refused_naming_the_layer():
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=96, intermediate_size=192, num_layers=1, num_heads=4, num_kv_heads=2)
     model = Llama(cfg)
-    with pytest.raises(ValueError, match=r"^lm_head: int4 group 64 does not divide the weight's 96 inputs"):
+    with pytest.raises(ValueError, match=r"^lm_head: int4 takes a weight whose 96 inputs are a multiple of 64 and of "
+                                         r"the group 64; use int8$"):
         quant.quantize_model(model, "int4-g64")
     assert not any(isinstance(m, quant.QuantLinear) for m in model.modules())  # refused before any change
     with pytest.raises(ValueError, match="float16"):
@@ -195,10 +195,32 @@ def test_weight_bytes_count_the_quantized_weights():
     assert memory.read_bytes(model) == quant.read_bytes(model) == quant.weight_bytes(model) - embed + c.hidden_size * 2
 
 
+@pytest.mark.parametrize("spec", ["int8", "int4"])
+def test_compiled_generator_decodes_quantized_through_the_fused_layers(spec):
+    """The CPU default (layer regions, fused decode on): one-token steps run the fused layers over the quantized
+    projections, prefill chunks the compiled regions, and greedy tokens equal eager's."""
+    from capture import CaptureOptions
+    from static_decode import Generator, load_model
+    from static_decode.loading import default_model_path
+    from static_decode.steps import GREEDY_KINDS
+
+    torch._dynamo.reset()
+    model = quant.quantize_model(load_model(default_model_path()), spec)
+    eager = Generator(model, max_len=64, chunk_size=16, batch=1)
+    gen = Generator(model, max_len=64, chunk_size=16, batch=1, compile=True,
+                    capture=CaptureOptions(buckets=(64,), kinds=GREEDY_KINDS, progress=False))
+    from static_decode import cpu_kernel
+
+    assert (gen.runner.regions.fused is not None) == cpu_kernel.available(), gen.runner.regions.fused_why
+    for prompt in ([5, 9, 2, 7, 7, 1, 3], list(range(1, 30))):
+        assert gen.generate(prompt, 16, stop_at_eos=False) == eager.generate(prompt, 16, stop_at_eos=False)
+    gen.runner.close()
+    torch._dynamo.reset()
+
+
 def test_compiled_generator_decodes_quantized_with_eager_tokens():
-    """The CPU default (layer regions, fused decode on): the fused layers refuse the quantized weights (their
-    reason recorded), the compiled regions run them, and greedy tokens equal eager's. One model holds both formats
-    (layers 0-1 int8, 2-3 and the head int4): one capture covers both products."""
+    """Projections in two formats (layers 0-1 int8, 2-3 and the head int4) keep the fused layers off (their reason
+    recorded): the compiled regions run both products, and greedy tokens equal eager's."""
     from capture import CaptureOptions
     from static_decode import Generator, load_model
     from static_decode.loading import default_model_path
@@ -218,7 +240,7 @@ def test_compiled_generator_decodes_quantized_with_eager_tokens():
     gen = Generator(model, max_len=64, chunk_size=16, batch=1, compile=True,
                     capture=CaptureOptions(buckets=(64,), kinds=GREEDY_KINDS, progress=False))
     assert gen.runner.regions.fused is None
-    assert gen.runner.regions.fused_why == "int8 weights (the kernel reads floats)"
+    assert gen.runner.regions.fused_why.startswith("projections in several formats (int4-g32, int8)")
     for prompt in ([5, 9, 2, 7, 7, 1, 3], list(range(1, 30))):
         assert gen.generate(prompt, 16, stop_at_eos=False) == eager.generate(prompt, 16, stop_at_eos=False)
     gen.runner.close()
@@ -288,7 +310,8 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     from tests import tp_worker
     from tests.checkpoints import hf_llama, save
 
-    ckpt = save(hf_llama(seed=7, kv_heads=4, bias=True), tmp_path / "ckpt")
+    # hidden 128: a rank's row-parallel slices keep 64 inputs, what int4's packed chunks take
+    ckpt = save(hf_llama(seed=7, kv_heads=4, bias=True, hidden=128), tmp_path / "ckpt")
     mp.spawn(_tp_rank, args=(2, tp_worker.free_port(), ckpt, tmp_path), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for spec in ("int8", "int4"):

@@ -38,6 +38,9 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kRows = 8;      // weight rows per inner step (gemv_bf16.cpp's)
 constexpr int64_t kPerLayer = 9;  // weights per layer, in this order:
 enum { kInNorm, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown };
+// A quantized model's layers also pass the scales of their 7 projections (decode_layers_q), in this order:
+constexpr int64_t kQuantPerLayer = 7;
+constexpr int kQuantIndex[kPerLayer] = {-1, 0, 1, 2, 3, -1, 4, 5, 6};  // weight index -> its scales' index
 
 inline float hsum(const Vec& a) {
   alignas(64) float t[Vec::size()];
@@ -78,17 +81,28 @@ void f32_rows(const float* W, const float* x, int64_t K, int64_t n0, int64_t n1,
   }
 }
 
-// One matrix of a parallel product: W [n, K] in the model's dtype, float32 sums into y.
+// One matrix of a parallel product: W [n, K] in the model's dtype (w), or a quantized weight (q; csrc/gemv_quant.cpp),
+// float32 sums into y.
 struct Product {
   const void* w;
+  const static_decode_kernels::QuantMat* q;
   int64_t n;
   float* y;
 };
 
 // The products that read the same row x (q/k/v; gate/up; o; down) in one parallel loop over all their row blocks.
-// x is the row in the weights' dtype (S); the sums are float32, not rounded.
+// x is the row in the weights' dtype (S); the sums are float32, not rounded. Quantized products read the row as
+// `row` holds it, prepared here once for all of them.
 template <typename S>
-void products(const S* x, int64_t K, std::initializer_list<Product> mats) {
+void products(const S* x, int64_t K, std::initializer_list<Product> mats, static_decode_kernels::QuantRow& row) {
+  const Product& head = *mats.begin();
+  if (head.q != nullptr) {  // a layer's products are all quantized or none
+    std::vector<float> xf(x, x + K);
+    if constexpr (!std::is_same_v<S, float>)
+      for (int64_t i = 0; i < K; ++i) xf[i] = static_cast<float>(x[i]);
+    static_decode_kernels::prepare_row(xf.data(), K, head.q->group, static_decode_kernels::int4_bf16_path(*head.q),
+                                       row);
+  }
   std::vector<int64_t> first{0};  // first row block of each matrix, then the total
   for (const Product& p : mats) first.push_back(first.back() + (p.n + kRows - 1) / kRows);
   at::parallel_for(0, first.back(), 8, [&](int64_t b, int64_t e) {
@@ -98,7 +112,9 @@ void products(const S* x, int64_t K, std::initializer_list<Product> mats) {
       ++i;
       if (lo >= hi) continue;
       const int64_t n0 = (lo - first[i - 1]) * kRows, n1 = std::min(p.n, (hi - first[i - 1]) * kRows);
-      if constexpr (std::is_same_v<S, float>) {
+      if (p.q != nullptr) {
+        static_decode_kernels::quant_rows(*p.q, row, n0, n1, p.y);
+      } else if constexpr (std::is_same_v<S, float>) {
         f32_rows(static_cast<const float*>(p.w), x, K, n0, n1, p.y);
       } else {
 #if defined(__AVX512BF16__)
@@ -146,7 +162,7 @@ void rotate(float* y, int64_t heads, int64_t d, const S* cos, const S* sin) {
 template <typename S>
 at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k, at::Tensor& v,
                   const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after, int64_t read_len,
-                  at::TensorList w, double eps) {
+                  at::TensorList w, const std::vector<static_decode_kernels::QuantMat>& quant, double eps) {
   const int64_t L = k.size(0), Hkv = k.size(2), d = k.size(4), D = x.size(-1);
   const int64_t Nq = w[kQ].size(0), Nkv = w[kK].size(0), inner = w[kGate].size(0), Hq = Nq / d, G = Hq / Hkv;
   const int64_t max_len = k.size(3) - 1;  // the spare row past max_len takes a padded slot (cache.SPARE_ROWS)
@@ -160,6 +176,7 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   std::vector<S> h(std::max(D, inner));
   const S* xin = x.data_ptr<S>();
   for (int64_t i = 0; i < D; ++i) xs[i] = static_cast<float>(xin[i]);
+  static_decode_kernels::QuantRow row;  // the row the quantized products read, reused by every product
   auto q = at::empty({1, Hkv, G, d}, x.options());  // the queries in the model's dtype, as the unfused layer has them
   S* qp = q.data_ptr<S>();
 
@@ -169,9 +186,13 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     RECORD_FUNCTION("static_decode::decode_layer", c10::ArrayRef<const c10::IValue>{});
     const at::Tensor* lw = w.data() + l * kPerLayer;
     const auto ptr = [&](int i) { return lw[i].data_ptr<S>(); };
+    const auto mat = [&](int i, int64_t rows, float* y) {  // weight i's product: float, or its QuantMat
+      return quant.empty() ? Product{ptr(i), nullptr, rows, y}
+                           : Product{nullptr, &quant[l * kQuantPerLayer + kQuantIndex[i]], rows, y};
+    };
     rms_norm<S>(xs.data(), ptr(kInNorm), D, eps, h.data());
-    products<S>(h.data(), D, {{ptr(kQ), Nq, qkv.data()}, {ptr(kK), Nkv, qkv.data() + Nq},
-                              {ptr(kV), Nkv, qkv.data() + Nq + Nkv}});
+    products<S>(h.data(), D, {mat(kQ, Nq, qkv.data()), mat(kK, Nkv, qkv.data() + Nq),
+                              mat(kV, Nkv, qkv.data() + Nq + Nkv)}, row);
     for (float& f : qkv) f = rnd<S>(f);
     rotate<S>(qkv.data(), Hq + Hkv, d, cs, sn);  // q's heads then k's: adjacent
     for (int64_t i = 0; i < Nq; ++i) qp[i] = static_cast<S>(qkv[i]);  // head h = kv * G + g: [1, Hkv, G, d]
@@ -188,10 +209,10 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     const auto kl = k.select(0, l).slice(2, 0, read_len);  // [1, Hkv, read_len, d] views
     const auto vl = v.select(0, l).slice(2, 0, read_len);
     const auto att = static_decode_kernels::decode_attention(q, kl, vl, lens_after, n_new, 1, scale);  // [1, Hkv, G, d]
-    products<S>(att.data_ptr<S>(), Nq, {{ptr(kO), D, o.data()}});
+    products<S>(att.data_ptr<S>(), Nq, {mat(kO, D, o.data())}, row);
     for (int64_t i = 0; i < D; ++i) xs[i] = rnd<S>(xs[i] + rnd<S>(o[i]));
     rms_norm<S>(xs.data(), ptr(kPostNorm), D, eps, h.data());
-    products<S>(h.data(), D, {{ptr(kGate), inner, gu.data()}, {ptr(kUp), inner, gu.data() + inner}});
+    products<S>(h.data(), D, {mat(kGate, inner, gu.data()), mat(kUp, inner, gu.data() + inner)}, row);
     for (float& f : gu) f = rnd<S>(f);
     for (int64_t i = 0; i < inner; i += Vec::size()) {  // silu(gate) * up, rounded once: gemv_bf16_glu's math
       const int64_t c = std::min<int64_t>(Vec::size(), inner - i);
@@ -200,7 +221,7 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
       (g / (Vec(1.f) + g.neg().exp()) * u).store(t);
       for (int64_t j = 0; j < c; ++j) h[i + j] = static_cast<S>(t[j]);
     }
-    products<S>(h.data(), inner, {{ptr(kDown), D, o.data()}});
+    products<S>(h.data(), inner, {mat(kDown, D, o.data())}, row);
     for (int64_t i = 0; i < D; ++i) xs[i] = rnd<S>(xs[i] + rnd<S>(o[i]));
   }
   auto out = at::empty_like(x);
@@ -213,9 +234,10 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 // size, every layer's weights the shapes of the first's (the buffers are sized by it), the head size the attention
 // has code for, and the lengths: n_new 0 or 1, lens_after = lens + n_new <= read_len <= max_len (the write at lens
 // stays inside the cache's rows, the attention inside the read).
-void check_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k,
-                  const at::Tensor& v, const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after,
-                  int64_t read_len, at::TensorList weights) {
+std::vector<static_decode_kernels::QuantMat> check_layers(
+    const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after, int64_t read_len,
+    at::TensorList weights, at::TensorList scales, int64_t group) {
   using static_decode_kernels::check_cpu;
   constexpr const char* op = "decode_layers";
   for (const auto& [t, name] : {std::pair{&x, "x"}, {&cos, "cos"}, {&sin, "sin"}, {&k, "k"}, {&v, "v"}})
@@ -246,10 +268,26 @@ void check_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
               " query heads a KV head), gate rows ", inner);
   const int64_t want[kPerLayer][2] = {{D, -1}, {Nq, D}, {Nkv, D}, {Nkv, D}, {D, Nq}, {D, -1}, {inner, D},
                                       {inner, D}, {D, inner}};
+  const bool quantized = group >= 0;
+  TORCH_CHECK(static_cast<int64_t>(scales.size()) == (quantized ? kQuantPerLayer * k.size(0) : 0),
+              "decode_layers: ", scales.size(), " scales for ", k.size(0), " layers of ",
+              quantized ? "quantized" : "float", " weights (", quantized ? kQuantPerLayer : 0, " a layer)");
+  std::vector<static_decode_kernels::QuantMat> mats;
   for (int64_t l = 0; l < k.size(0); ++l) {
     for (int i = 0; i < kPerLayer; ++i) {
       const at::Tensor& t = weights[l * kPerLayer + i];
       check_cpu(t, op, "a weight");
+      if (quantized && want[i][1] >= 0) {  // a projection: its codes and scales, the shape of the float weight's
+        int64_t N = 0, K = 0;
+        const std::string name = "layer " + std::to_string(l) + " weight " + std::to_string(i);
+        mats.push_back(static_decode_kernels::quant_mat(t, scales[l * kQuantPerLayer + kQuantIndex[i]], group, op,
+                                                        name.c_str(), &N, &K));
+        TORCH_CHECK(N == want[i][0] && K == want[i][1], "decode_layers: ", name, " is a quantized [", N, ", ", K,
+                    "] weight, [", want[i][0], ", ", want[i][1], "] wanted");
+        TORCH_CHECK(mats.back().bf16_scales == (x.scalar_type() == at::kBFloat16), "decode_layers: ", name,
+                    "'s scales are not in x's dtype ", x.scalar_type());
+        continue;
+      }
       const bool shape = want[i][1] < 0 ? (t.dim() == 1 && t.size(0) == want[i][0])
                                         : (t.dim() == 2 && t.size(0) == want[i][0] && t.size(1) == want[i][1]);
       TORCH_CHECK(shape && t.is_contiguous() && t.scalar_type() == x.scalar_type(), "decode_layers: layer ", l,
@@ -265,6 +303,22 @@ void check_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
               " (the cache's rows for n_new ", n, ")");
   TORCH_CHECK(after == old + n && after <= read_len, "decode_layers: lens_after ", after, " is not lens + n_new = ",
               old + n, " within read_len ", read_len);
+  return mats;
+}
+
+at::Tensor run_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k, at::Tensor& v,
+                      const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after, int64_t read_len,
+                      at::TensorList weights, at::TensorList scales, int64_t group, double eps) {
+  const auto quant = check_layers(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, scales, group);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return layers<float>(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, quant, eps);
+#if defined(__AVX512BF16__)
+    case at::kBFloat16:
+      return layers<at::BFloat16>(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, quant, eps);
+#endif
+    default: TORCH_CHECK(false, "decode_layers: model dtype ", x.scalar_type(), " is not supported here");
+  }
 }
 
 // x [1, 1, D]; cos/sin [1, 1, 1, d/2]; k/v [L, 1, Hkv, max_len + 1, d] (the layers' cache, written at the old
@@ -272,15 +326,18 @@ void check_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
                          at::Tensor& v, const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after,
                          int64_t read_len, at::TensorList weights, double eps) {
-  check_layers(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights);
-  switch (x.scalar_type()) {
-    case at::kFloat: return layers<float>(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, eps);
-#if defined(__AVX512BF16__)
-    case at::kBFloat16:
-      return layers<at::BFloat16>(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, eps);
-#endif
-    default: TORCH_CHECK(false, "decode_layers: model dtype ", x.scalar_type(), " is not supported here");
-  }
+  return run_layers(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, {}, -1, eps);
+}
+
+// The same for quantized projections (static_decode/quant.py): `weights` holds each projection's codes (qweight) in
+// place of its float weight, `scales` the 7 projections' scales per layer (kQuantIndex's order), `group` 0 for
+// int8, the int4 group size otherwise.
+at::Tensor decode_layers_q(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
+                           at::Tensor& v, const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after,
+                           int64_t read_len, at::TensorList weights, at::TensorList scales, int64_t group,
+                           double eps) {
+  TORCH_CHECK(group >= 0, "decode_layers_q: group ", group, " (0 for int8; 32, 64 or 128 for int4)");
+  return run_layers(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, scales, group, eps);
 }
 
 at::Tensor decode_layers_meta(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
@@ -289,11 +346,26 @@ at::Tensor decode_layers_meta(const at::Tensor& x, const at::Tensor& cos, const 
   return at::empty_like(x);
 }
 
+at::Tensor decode_layers_q_meta(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
+                                at::Tensor& v, const at::Tensor& lens, const at::Tensor& n_new,
+                                const at::Tensor& lens_after, int64_t read_len, at::TensorList weights,
+                                at::TensorList scales, int64_t group, double eps) {
+  return at::empty_like(x);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(static_decode_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor lens, Tensor n_new, "
         "Tensor lens_after, int read_len, Tensor[] weights, float eps) -> Tensor");
+  m.def("decode_layers_q(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor lens, Tensor n_new, "
+        "Tensor lens_after, int read_len, Tensor[] weights, Tensor[] scales, int group, float eps) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(static_decode_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
-TORCH_LIBRARY_IMPL(static_decode_cpu, Meta, m) { m.impl("decode_layers", &decode_layers_meta); }
+TORCH_LIBRARY_IMPL(static_decode_cpu, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("decode_layers_q", &decode_layers_q);
+}
+TORCH_LIBRARY_IMPL(static_decode_cpu, Meta, m) {
+  m.impl("decode_layers", &decode_layers_meta);
+  m.impl("decode_layers_q", &decode_layers_q_meta);
+}

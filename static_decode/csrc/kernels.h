@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace static_decode_kernels {
 
@@ -17,5 +18,31 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // gemv_bf16.cpp: rows [n0, n1) of bfloat16 W [N, K] times the bfloat16 row x [K], float32 sums into y[n0..n1).
 void bf16_rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1, float* y);
 #endif
+
+// gemv_quant.cpp: one-row products with quantized weights (static_decode/quant.py's formats).
+struct QuantMat {
+  const void* q;     // int8 [N, K], or int4 packed uint8 [N, K / 2]
+  const void* s;     // int8: scales [N]; int4: (scale, offset) pairs [N, K / group, 2]; float32 or bfloat16
+  int64_t bits;      // 8 or 4
+  int64_t group;     // int4's group size (32, 64, 128); 0 for int8
+  bool bf16_scales;  // scales in bfloat16 (else float32)
+};
+struct QuantRow {  // the row x [K] as the products read it: prepare_row
+  int64_t K = 0;
+  const float* xf = nullptr;     // float32 values
+  const uint16_t* xb = nullptr;  // bfloat16 bits
+  const float* xsum = nullptr;   // sums of xf in groups of the int4 group size
+  std::vector<float> f, sums;
+  std::vector<uint16_t> b;
+};
+void prepare_row(const float* x, int64_t K, int64_t group, bool bf16, QuantRow& row);
+bool int4_bf16_path(const QuantMat& m);  // whether m's products round the row to bfloat16 (prepare_row's bf16)
+// Rows [n0, n1) of m times the row into y[n0..n1) (float32 sums, scales applied).
+void quant_rows(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y);
+int64_t quant_block(const QuantMat& m);  // rows per inner step: split the rows across threads in multiples of it
+// Checks a quantized weight (qweight, scales, group: 0 for int8) of [N, K] (N or K < 0: whatever it has) for `op`,
+// naming `name`, and returns its QuantMat; the weight's N and K in *N and *K.
+QuantMat quant_mat(const at::Tensor& q, const at::Tensor& s, int64_t group, const char* op, const char* name,
+                   int64_t* N, int64_t* K);
 
 }  // namespace static_decode_kernels

@@ -1,0 +1,323 @@
+// One-row products with weight-only quantized weights (static_decode/quant.py's formats): y[n] = sum_k W[n, k] x[k]
+// where W is int8 with one scale per row, or int4 in groups along K with a scale and an offset per group.
+// Built with the other kernels by static_decode/cpu_kernel.py; decode_layers.cpp calls `quant_rows` directly.
+//
+// Why: a batch-1 decode step reads every weight once, so its projections take the weight bytes over the rate they
+// are read at. torch's own CPU kernels (aten._weight_int8pack_mm, _weight_int4pack_mm_for_cpu) read int8 at half
+// the rate our bfloat16 GEMV reads bfloat16 (profiles/RESULTS.md, "Quantized weights"): the smaller weights saved
+// nothing. Here each weight is read once, widened in registers, and multiplied by the row:
+//
+// * int8: 16 codes widened to float32 (two instructions) and one FMA against the float32 row, 8 rows at once with
+//   the next 8 prefetched (gemv_bf16.cpp's loop), the row's scale applied once to its sum.
+// * int4 with a bfloat16 row (a bfloat16 model, AVX512-BF16): a code q (0..15) OR'ed into the bits of bfloat16
+//   128.0 is the bfloat16 value 128 + q exactly, so 32 codes become bfloat16 with two bit operations and take the
+//   dot-product instruction like bfloat16 weights. sum_k (128 + q_k) x_k = 128 * sum_k x_k + sum_k q_k x_k, and a
+//   group's weights are (q - 8) * s + z, so the group's share is s * dot + (z - 136 s) * sum_k x_k: the row's sums
+//   per group are computed once per call and the offset term is one FMA per group.
+// * Elsewhere (float32 models, CPUs without AVX-512): the same math with the codes widened to float32.
+//
+// int4 layout (quant.py, pack_int4): row n is K / 2 bytes; columns come in chunks of 64, and byte j of chunk c holds
+// column 64c + j in its low nibble and 64c + 32 + j in its high nibble, so a chunk's 32 bytes widen to two runs of
+// 32 consecutive columns. Scales [N, K / group, 2]: (s, z) per group, in the model's dtype.
+#include <torch/extension.h>
+
+#include "checks.h"
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using static_decode_kernels::QuantMat;
+using static_decode_kernels::QuantRow;
+using static_decode_kernels::check_cpu;
+
+constexpr int64_t kRows8 = 8;  // int8 rows per inner step: independent accumulators and load streams
+constexpr int64_t kRows4 = 4;  // int4 rows per inner step
+// Prefetch distance: a block of rows is one contiguous run of bytes, read as kRows interleaved streams; each step
+// prefetches the lines it consumes this many bytes further on. Short rows (SmolLM2's K = 576 bytes of int8) leave
+// the hardware prefetcher too little of each stream to learn: without this the int8 loop read 6-7 GB/s on one
+// Zen 4 core, with it 20-26 (profiles/RESULTS.md, "Quantized one-row kernels").
+constexpr int64_t kAhead = 8192;
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float scale_at(const QuantMat& m, int64_t i) {
+  return m.bf16_scales ? bf16_to_float(static_cast<const uint16_t*>(m.s)[i]) : static_cast<const float*>(m.s)[i];
+}
+
+// ---- int8 ---------------------------------------------------------------------------------------------------------
+void int8_rows(const QuantMat& m, const float* x, int64_t K, int64_t n0, int64_t n1, float* y) {
+  const auto* Q = static_cast<const int8_t*>(m.q);
+  int64_t n = n0;
+#if defined(__AVX512F__)
+  const int64_t body = K / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K - body)) - 1);
+  const __m512 xt = _mm512_maskz_loadu_ps(tail, x + body);
+  const auto widen = [](const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                                   reinterpret_cast<const __m128i*>(p)))); };
+  const auto widen_tail = [tail](const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail, p)));
+  };
+  for (; n + kRows8 <= n1; n += kRows8) {
+    const int8_t* w = Q + n * K;
+    const char* ahead = reinterpret_cast<const char*>(w) + kAhead;
+    __m512 a[kRows8];
+    for (int r = 0; r < kRows8; ++r) a[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < body; k += 16) {
+      _mm_prefetch(ahead + k * kRows8, _MM_HINT_T0);  // the 128 bytes this step consumes, kAhead further on
+      _mm_prefetch(ahead + k * kRows8 + 64, _MM_HINT_T0);
+      const __m512 xv = _mm512_loadu_ps(x + k);
+      for (int r = 0; r < kRows8; ++r) a[r] = _mm512_fmadd_ps(widen(w + r * K + k), xv, a[r]);
+    }
+    for (int r = 0; r < kRows8; ++r) {
+      if (body < K) a[r] = _mm512_fmadd_ps(widen_tail(w + r * K + body), xt, a[r]);
+      y[n + r] = _mm512_reduce_add_ps(a[r]) * scale_at(m, n + r);
+    }
+  }
+  for (; n < n1; ++n) {
+    const int8_t* w = Q + n * K;
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t k = 0; k < body; k += 16) a = _mm512_fmadd_ps(widen(w + k), _mm512_loadu_ps(x + k), a);
+    if (body < K) a = _mm512_fmadd_ps(widen_tail(w + body), xt, a);
+    y[n] = _mm512_reduce_add_ps(a) * scale_at(m, n);
+  }
+#else
+  for (; n < n1; ++n) {  // 8 partial sums a row: a pattern the compiler vectorises without reassociating
+    const int8_t* w = Q + n * K;
+    float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8)
+      for (int j = 0; j < 8; ++j) a[j] += static_cast<float>(w[k + j]) * x[k + j];
+    float s = 0.f;
+    for (int j = 0; j < 8; ++j) s += a[j];
+    for (; k < K; ++k) s += static_cast<float>(w[k]) * x[k];
+    y[n] = s * scale_at(m, n);
+  }
+#endif
+}
+
+// ---- int4 ---------------------------------------------------------------------------------------------------------
+// Any CPU, float32 row: the codes widened one by one, each group's dot product scaled, the offset term from the
+// row's group sums.
+void int4_rows_float(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y) {
+  const int64_t K = x.K, G = K / m.group, half = K / 2;
+  const auto* Q = static_cast<const uint8_t*>(m.q);
+  float codes[64];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = Q + n * half;
+    float total = 0.f, dot = 0.f;
+    for (int64_t c = 0; c < K / 64; ++c) {
+      for (int j = 0; j < 32; ++j) {
+        codes[j] = static_cast<float>(w[32 * c + j] & 15);
+        codes[j + 32] = static_cast<float>(w[32 * c + j] >> 4);
+      }
+      for (int64_t part = 0; part < 64; part += std::min<int64_t>(m.group, 64)) {  // the chunk's groups
+        const int64_t len = std::min<int64_t>(m.group, 64);
+        float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int64_t k = 0; k < len; k += 8)
+          for (int j = 0; j < 8; ++j) a[j] += codes[part + k + j] * x.xf[64 * c + part + k + j];
+        for (int j = 0; j < 8; ++j) dot += a[j];
+        const int64_t g = (64 * c + part + len) / m.group - 1;  // the group this run ends in
+        if ((64 * c + part + len) % m.group == 0) {  // the group is complete: scale its dot product
+          const float s = scale_at(m, (n * G + g) * 2), z = scale_at(m, (n * G + g) * 2 + 1);
+          total += s * dot + (z - 8.f * s) * x.xsum[g];
+          dot = 0.f;
+        }
+      }
+    }
+    y[n] = total;
+  }
+}
+
+#if defined(__AVX512BF16__)
+// A bfloat16 row and bfloat16 scales on a CPU with AVX512-BF16: the 128 + q trick above, 4 rows at a time (4
+// independent FMA chains: a row's chunks are serial through its accumulator).
+template <int kGroup>
+void int4_rows_bf16(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y) {
+  const int64_t K = x.K, G = K / kGroup, half = K / 2, C = K / 64;
+  const auto* Q = static_cast<const uint8_t*>(m.q);
+  const auto* S = static_cast<const uint16_t*>(m.s);  // (s, z) bfloat16 pairs [N, G]
+  const __m512i magic = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000F);
+  const __m512i zhalf = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  std::vector<float> sbuf(kRows4 * G);  // this block's scales as float32: broadcast from memory in the loop
+  const auto start = [&](int64_t n, int r, __m512& acc) {  // row n's scales into sbuf[r]; acc = its offset term
+    acc = _mm512_setzero_ps();
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(S + n * G * 2);  // (s | z << 16) per group
+    for (int64_t g = 0; g < G; g += 16) {
+      const __mmask16 mk = static_cast<__mmask16>(G - g >= 16 ? 0xFFFF : (1u << (G - g)) - 1);
+      const __m512i p = _mm512_maskz_loadu_epi32(mk, pairs + g);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(p, zhalf));
+      _mm512_mask_storeu_ps(sbuf.data() + r * G + g, mk, s);
+      const __m512 zt = _mm512_fmadd_ps(s, _mm512_set1_ps(-136.f), z);  // z - 136 s
+      acc = _mm512_fmadd_ps(zt, _mm512_maskz_loadu_ps(mk, x.xsum + g), acc);
+    }
+  };
+  const auto widen = [&](const uint8_t* p, __m512bh& lo, __m512bh& hi) {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    lo = (__m512bh)_mm512_ternarylogic_epi32(w, low, magic, 0xEA);  // (w & 15) | magic
+    hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 4), magic);
+  };
+  int64_t n = n0;
+  for (; n < n1; n += kRows4) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows4, n1 - n));
+    __m512 acc[kRows4], d[kRows4];
+    for (int r = 0; r < kRows4; ++r) {
+      if (r < rows) start(n + r, r, acc[r]);
+      d[r] = _mm512_setzero_ps();
+    }
+    const char* ahead = reinterpret_cast<const char*>(Q + n * half) + kAhead;
+    for (int64_t c = 0; c < C; ++c) {
+      _mm_prefetch(ahead + c * 32 * kRows4, _MM_HINT_T0);  // the 128 bytes this step consumes, kAhead further on
+      _mm_prefetch(ahead + c * 32 * kRows4 + 64, _MM_HINT_T0);
+      const __m512bh xl = (__m512bh)_mm512_loadu_si512(x.xb + 64 * c);
+      const __m512bh xh = (__m512bh)_mm512_loadu_si512(x.xb + 64 * c + 32);
+      for (int r = 0; r < kRows4; ++r) {
+        if (r >= rows) break;
+        const uint8_t* w = Q + (n + r) * half + 32 * c;
+        __m512bh lo, hi;
+        widen(w, lo, hi);
+        const float* s = sbuf.data() + r * G;
+        if constexpr (kGroup == 32) {
+          acc[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), lo, xl), _mm512_set1_ps(s[2 * c]), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), hi, xh), _mm512_set1_ps(s[2 * c + 1]),
+                                   acc[r]);
+        } else {
+          d[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(d[r], lo, xl), hi, xh);
+          if ((64 * (c + 1)) % kGroup == 0) {  // the group ends with this chunk
+            acc[r] = _mm512_fmadd_ps(d[r], _mm512_set1_ps(s[64 * (c + 1) / kGroup - 1]), acc[r]);
+            d[r] = _mm512_setzero_ps();
+          }
+        }
+      }
+    }
+    for (int r = 0; r < rows; ++r) y[n + r] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+#endif
+
+}  // namespace
+
+// The row a quantized product reads, prepared once per call (QuantRow): float32 and bfloat16 copies and the sums of
+// its values in groups of `group`; `bf16`: the row is rounded to bfloat16 first (the int4 bfloat16 path reads it so).
+void static_decode_kernels::prepare_row(const float* x, int64_t K, int64_t group, bool bf16, QuantRow& row) {
+  row.K = K;
+  row.f.resize(K);
+  row.b.resize(K);
+  for (int64_t k = 0; k < K; ++k) {
+    const c10::BFloat16 r(x[k]);
+    row.b[k] = r.x;
+    row.f[k] = bf16 ? static_cast<float>(r) : x[k];  // the bfloat16 path's sums are of the values it multiplies
+  }
+  row.sums.assign(group > 0 ? K / group : 0, 0.f);
+  for (int64_t k = 0; k < K && group > 0; ++k) row.sums[k / group] += row.f[k];
+  row.xf = row.f.data();
+  row.xb = row.b.data();
+  row.xsum = row.sums.data();
+}
+
+bool static_decode_kernels::int4_bf16_path(const QuantMat& m) {
+#if defined(__AVX512BF16__)
+  return m.bits == 4 && m.bf16_scales;
+#else
+  return false;
+#endif
+}
+
+void static_decode_kernels::quant_rows(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y) {
+  if (m.bits == 8) return int8_rows(m, x.xf, x.K, n0, n1, y);
+#if defined(__AVX512BF16__)
+  if (int4_bf16_path(m)) {
+    switch (m.group) {
+      case 32: return int4_rows_bf16<32>(m, x, n0, n1, y);
+      case 64: return int4_rows_bf16<64>(m, x, n0, n1, y);
+      case 128: return int4_rows_bf16<128>(m, x, n0, n1, y);
+      default: break;
+    }
+  }
+#endif
+  int4_rows_float(m, x, n0, n1, y);
+}
+
+int64_t static_decode_kernels::quant_block(const QuantMat& m) { return m.bits == 8 ? kRows8 : kRows4; }
+
+QuantMat static_decode_kernels::quant_mat(const at::Tensor& q, const at::Tensor& s, int64_t group, const char* op,
+                                          const char* name, int64_t* N, int64_t* K) {
+  check_cpu(q, op, name);
+  check_cpu(s, op, name);
+  TORCH_CHECK(group == 0 || group == 32 || group == 64 || group == 128, op, ": ", name, ": group ", group,
+              " (0 for int8; 32, 64 or 128 for int4)");
+  TORCH_CHECK(s.scalar_type() == at::kFloat || s.scalar_type() == at::kBFloat16, op, ": ", name,
+              "'s scales are ", s.scalar_type(), " (float32 or bfloat16)");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && s.is_contiguous() && q.size(0) > 0 && q.size(1) > 0, op, ": ",
+              name, ": a quantized weight is a contiguous [N, K] (int8) or [N, K / 2] (int4) matrix, got ",
+              q.sizes(), " with scales ", s.sizes());
+  const int64_t n = q.size(0);
+  if (group == 0) {
+    TORCH_CHECK(q.scalar_type() == at::kChar, op, ": ", name, ": int8 codes must be int8, got ", q.scalar_type());
+    TORCH_CHECK(s.dim() == 1 && s.size(0) == n, op, ": ", name, ": int8 scales must be [", n, "], got ", s.sizes());
+    *K = q.size(1);
+  } else {
+    const int64_t k = 2 * q.size(1);
+    TORCH_CHECK(q.scalar_type() == at::kByte, op, ": ", name, ": int4 codes must be packed uint8, got ",
+                q.scalar_type());
+    TORCH_CHECK(k % 64 == 0 && k % group == 0, op, ": ", name, ": int4 takes K a multiple of 64 and of the group ",
+                group, ", got K ", k);
+    TORCH_CHECK(s.dim() == 3 && s.size(0) == n && s.size(1) == k / group && s.size(2) == 2, op, ": ", name,
+                ": int4 scales must be [", n, ", ", k / group, ", 2], got ", s.sizes());
+    *K = k;
+  }
+  *N = n;
+  return QuantMat{q.data_ptr(), s.data_ptr(), group == 0 ? 8 : 4, group, s.scalar_type() == at::kBFloat16};
+}
+
+namespace {
+
+// x [..., K] one row (every other size 1) times the quantized weight -> [N] in x's dtype.
+at::Tensor gemv_q(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group) {
+  constexpr const char* op = "gemv_q";
+  int64_t N = 0, K = 0;
+  const QuantMat m = static_decode_kernels::quant_mat(qweight, scales, group, op, "the weight", &N, &K);
+  static_decode_kernels::check_cpu(x, op, "x");
+  TORCH_CHECK(static_decode_kernels::kernel_float(x.scalar_type()) || x.scalar_type() == at::kDouble, op,
+              ": x's dtype ", x.scalar_type(), " is not float32/bfloat16/float16/float64");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K && x.numel() == K, op, ": x ", x.sizes(), " is not one row of the ",
+              K, " values the weight's columns take");
+  const auto xf = x.reshape({K}).to(at::kFloat).contiguous();
+  QuantRow row;
+  static_decode_kernels::prepare_row(xf.data_ptr<float>(), K, group, static_decode_kernels::int4_bf16_path(m), row);
+  auto yf = at::empty({N}, x.options().dtype(at::kFloat));
+  float* yp = yf.data_ptr<float>();
+  const int64_t block = static_decode_kernels::quant_block(m);
+  at::parallel_for(0, (N + block - 1) / block, 4, [&](int64_t b, int64_t e) {
+    static_decode_kernels::quant_rows(m, row, b * block, std::min(N, e * block), yp);
+  });
+  return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
+}
+
+at::Tensor gemv_q_meta(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group) {
+  return at::empty({qweight.size(0)}, x.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(static_decode_cpu, m) {
+  m.def("gemv_q(Tensor x, Tensor qweight, Tensor scales, int group) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(static_decode_cpu, CPU, m) { m.impl("gemv_q", &gemv_q); }
+TORCH_LIBRARY_IMPL(static_decode_cpu, Meta, m) { m.impl("gemv_q", &gemv_q_meta); }
