@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from static_decode import quant_io
 from static_decode.config import LlamaConfig, eos_ids
 from static_decode.model import Llama, hf_name, join_projections
 from static_decode.parallel import SINGLE, TensorParallel, shard_dim
@@ -136,7 +137,8 @@ def load_model(
     `model.config.eos_token_ids`. With `tp`, the model is this rank's shard (see static_decode.parallel) and
     only its slices are read. `fused_projections`: q/k/v and gate/up joined into one weight each (Llama's
     default; see static_decode.model.join_projections). `quantize` ("int8", "int4", "int4-g64", ...): every
-    projection and the LM head weight-only quantized once loaded (static_decode.quant). Raises, naming the key,
+    projection and the LM head weight-only quantized once loaded (static_decode.quant); a checkpoint saved
+    quantized (static_decode.quant_io) loads as it was saved, `quantize` its scheme or None. Raises, naming the key,
     on an unsupported architecture or rope type, a missing, unexpected or mis-shaped tensor, or a tensor-parallel
     world size that does not fit the model.
     """
@@ -147,6 +149,10 @@ def load_model(
     if not isinstance(tp, TensorParallel):
         raise TypeError(f"tp must be a static_decode.parallel.TensorParallel, got {type(tp).__name__}")
     tp.check(config)  # before any tensor is read
+    stored = quant_io.stored_quantization(root)  # a checkpoint saved quantized (static_decode.quant_io); None: float
+    if stored is not None:
+        return quant_io.load_quantized(root, config, stored, dtype=parse_dtype(dtype), device=device, tp=tp,
+                                       fused_projections=fused_projections, quantize=parse(quantize))
     files = weight_files(root)
     dtype = parse_dtype(dtype)
     scheme = parse(quantize)  # a bad name refused before any tensor is read

@@ -244,6 +244,17 @@ class QuantWeight(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.scheme.name}, out={self.out_features}, in={self.in_features}"
 
+    @classmethod
+    def from_stored(cls, qweight: torch.Tensor, scales: torch.Tensor, scheme: Scheme, in_features: int) -> QuantWeight:
+        """The weight from the tensors `__init__` would have stored (a saved quantized checkpoint,
+        static_decode.quant_io, which checks their shapes and dtypes against the config first): no quantization."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.scheme, self.out_features, self.in_features = scheme, qweight.shape[0], in_features
+        self.register_buffer("qweight", qweight)  # int8 [N, K] / uint8 [N, K / 2]
+        self.register_buffer("scales", scales)  # [N] / [N, K / group, 2]
+        return self
+
 
 class QuantLinear(nn.Module):
     """An nn.Linear whose `weight` is a QuantWeight (`bias` stays in the model's dtype). The model's projections
@@ -260,6 +271,16 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.weight.matmul(x)
         return out if self.bias is None else out + self.bias
+
+    @classmethod
+    def from_stored(cls, weight: QuantWeight, bias: torch.Tensor | None) -> QuantLinear:
+        """A QuantLinear over an already quantized weight (`QuantWeight.from_stored`)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        return self
 
 
 def quantize_model(model: nn.Module, spec: str | Scheme) -> nn.Module:

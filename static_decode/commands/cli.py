@@ -26,6 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "static_decode.commands.bench",
     "static_decode.commands.serve",
     "static_decode.commands.perplexity",
+    "static_decode.commands.quantize",
 )
 
 

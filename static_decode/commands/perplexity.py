@@ -26,7 +26,7 @@ from static_decode.commands.args import add_threads_argument, apply_threads, che
 from static_decode.loading import default_model_path, load_model, load_tokenizer
 from static_decode.model import Llama
 from static_decode.progress import progress_bar
-from static_decode.quant import quantize_model
+from static_decode.quant import scheme_of
 
 DEFAULT_TOKENS = 1024
 DEFAULT_CHUNK = 256
@@ -95,10 +95,11 @@ def run(args: argparse.Namespace) -> int:
     if len(ids) < args.tokens:
         print(f"note: {text_path.name} has {len(ids)} tokens, fewer than --tokens {args.tokens}", file=sys.stderr)
     t0 = time.perf_counter()
-    model = quantize_model(load_model(path, dtype=args.dtype, device=device), args.quantize)
+    model = load_model(path, dtype=args.dtype, device=device, quantize=args.quantize)  # or a saved quantized one
     load_s = time.perf_counter() - t0
     result = perplexity(model, ids, args.chunk, progress=not args.quiet)
-    what = f"{str(model.dtype).removeprefix('torch.')}" + (f" {args.quantize}" if args.quantize else "")
+    scheme = scheme_of(model)
+    what = f"{str(model.dtype).removeprefix('torch.')}" + (f" {scheme.name}" if scheme else "")
     print(f"perplexity {result.perplexity:.4f} ({what}; {result.tokens} tokens of {text_path.name} in chunks of "
           f"{args.chunk}; {result.tokens_per_s:.0f} tokens/s; loaded in {load_s:.1f} s)")
     return 0
