@@ -10,6 +10,8 @@ Phases (profiles/gpu_check_phases.py), each in a process of its own under its ow
                        tokens against eager's
     model_warm         a second process on the same compile cache: capture seconds per kind
     embedded           the embedded default model: 32 compiled greedy tokens against eager's
+    quant              int8 / int4 weights (profiles/gpu_check_quant.py): decode at 1k, tokens/s against the bf16
+                       row, the fraction of the copy rate, greedy tokens against eager's; both int4 products
     attention          decode attention alone over every layer, per formulation and live length (one CUDA graph)
     variants           whole-step decode per setting in question (formulation, static read length, unfused
                        projections, coordinate-descent tuning) on the shape's layer cut to 4 layers
@@ -202,7 +204,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "correct_failed": [r for r in correct_rows if not r.get("ok")],
         "formulations_failed": failed,
         "variants_ms": _variants(of("decode")),
-        "recommended": recommend(of("decode"), attention, failed),
+        "quant": quant_summary(of("quant"), decode, correct_rows),
+        "quant_products": products_summary(of("products")),
+        "recommended": {**recommend(of("decode"), attention, failed),
+                        "int4_kernel": int4_kernel(of("quant"), of("products"))},
         "phases": phases,
     }
 
@@ -224,6 +229,54 @@ def _variants(decode_rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         if r.get("phase") == "variants" and "ms" in r:
             out.setdefault(r["setting"], {})[str(r["live"])] = r["ms"]
     return out
+
+
+def quant_summary(rows: list[dict[str, Any]], bf16_rows: list[dict[str, Any]],
+                  correct_rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per quantized setting: decode ms and tokens/s at its live length, `vs_bf16` (its tokens/s over the bf16
+    model's at that length, the `model` phase's row), the fraction of the copy rate, the bytes a step reads, and
+    whether its greedy tokens equal eager's; or why it has no figures (skipped, error)."""
+    bf16 = {r["live"]: r["ms"] for r in bf16_rows}
+    greedy = {r["check"].removeprefix("greedy_"): r for r in correct_rows if r.get("check", "").startswith("greedy_")}
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if "ms" not in r:
+            out[r["setting"]] = {k: r[k] for k in ("skipped", "error") if k in r}
+            continue
+        base = bf16.get(r["live"])
+        g = greedy.get(r["setting"], {})
+        out[r["setting"]] = {"live": r["live"], "ms": r["ms"], "tokens_per_s": r["tokens_per_s"],
+                             "vs_bf16": None if base is None else round(base / r["ms"], 2),
+                             "copy_fraction": r["copy_fraction"], "weight_gb": round(r["weight_bytes"] / 1e9, 2),
+                             "tokens_equal": g.get("tokens_equal"), "greedy_ok": g.get("ok")}
+    return out
+
+
+def products_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per form (bf16, int8, int4 per product): the step's products alone, ms, GB/s, the fraction of the copy rate
+    and `vs_bf16` (the bf16 products' time over the form's); or why it has no figures."""
+    timed = {r["form"]: r for r in rows if "ms" in r}
+    base = next((r["ms"] for f, r in timed.items() if not f.startswith("int")), None)
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if "ms" not in r:
+            out[r["form"]] = {k: r[k] for k in ("skipped", "error") if k in r}
+            continue
+        out[r["form"]] = {"ms": r["ms"], "gbps": r["gbps"], "copy_fraction": r["copy_fraction"],
+                          "vs_bf16": None if base is None else round(base / r["ms"], 2)}
+    return out
+
+
+def int4_kernel(step_rows: list[dict[str, Any]], product_rows: list[dict[str, Any]]) -> str | None:
+    """The int4 product the rows argue for: tinygemm where it ran SPEED_MARGIN faster than "reduce" (the
+    default, static_decode.quant_cuda.DEFAULT_INT4_KERNEL), else "reduce"; judged on whole decode steps where
+    both were timed there, else on the products alone; None where neither has both."""
+    steps = {r.get("kernel"): r["ms"] for r in step_rows if "ms" in r and r.get("kernel")}
+    alone = {r["form"].rpartition("-")[2]: r["ms"] for r in product_rows if "ms" in r and r["form"].startswith("int4")}
+    for ms in (steps, alone):
+        if {"reduce", "tinygemm"} <= set(ms):
+            return "tinygemm" if ms["tinygemm"] < ms["reduce"] * (1 - SPEED_MARGIN) else "reduce"
+    return None
 
 
 def recommend(decode_rows: list[dict[str, Any]], attention: dict[str, dict[str, float]],
@@ -283,6 +336,19 @@ def table(s: dict[str, Any]) -> str:
     lines += ["", "| variant (decode ms) | " + " | ".join(_lengths(s["variants_ms"])) + " |"]
     for name, by_len in s["variants_ms"].items():
         lines.append(f"| {name} | " + " | ".join(str(by_len.get(n, "")) for n in _lengths(s["variants_ms"])) + " |")
+    lines += ["", "| products alone | ms | GB/s | of copy | x bf16 |", "| --- | ---: | ---: | ---: | ---: |"]
+    for form, p in s["quant_products"].items():
+        cells = [p.get(k, "") for k in ("ms", "gbps", "copy_fraction", "vs_bf16")] if "ms" in p else [
+            p.get("skipped") or p.get("error"), "", "", ""]
+        lines.append(f"| {form} | " + " | ".join(str(c) for c in cells) + " |")
+    lines += ["", "| weights | live | decode ms | tokens/s | x bf16 | of copy | GB read | tokens equal |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for name, q in s["quant"].items():
+        if "ms" not in q:
+            lines.append(f"| {name} | {q.get('skipped') or q.get('error')} | | | | | | |")
+            continue
+        lines.append(f"| {name} | {q['live']} | {q['ms']} | {q['tokens_per_s']} | {q['vs_bf16']} | "
+                     f"{q['copy_fraction']} | {q['weight_gb']} | {q['tokens_equal']} |")
     lines += ["", f"recommended: {s['recommended']}", f"phases: {s['phases']}"]
     if s["correct_failed"]:
         lines += ["", f"failed checks: {s['correct_failed']}"]

@@ -2,7 +2,8 @@
 its rows (gpu_check_common.Rows) the moment they are measured; the driver builds the summary from the rows.
 
 Adding a phase: a function `phase_x(ctx)` and an entry in PHASES (name, budget on the device, function). Adding a
-decode setting to compare (int8/int4 weights, say): an entry in VARIANTS (its `prepare` gets the model).
+decode setting to compare: an entry in VARIANTS (its `prepare` gets the model). Quantized weights have a phase of
+their own (`quant`, profiles/gpu_check_quant.py).
 """
 
 from __future__ import annotations
@@ -367,15 +368,23 @@ def phase_variants(ctx: Ctx) -> None:
             ctx.rows.add("decode", setting=v.name, error=error_text(e))
 
 
+def phase_quant(ctx: Ctx) -> None:
+    """int8 / int4 weights at the first live length beside the bf16 row (profiles/gpu_check_quant.py)."""
+    from gpu_check_quant import phase_quant as run  # a file of its own; it imports this module
+
+    run(ctx)
+
+
 # name -> (budget on the device in seconds, python start-up included, function); run in this order, the driver
 # cutting the last ones to what is left of gpu_check.TOTAL_S. A later call can run the phases a first one cut short:
-# `profiles/gpu_check.py --phases attention,variants` (about 3 minutes).
+# `profiles/gpu_check.py --phases attention,variants` (about 3 minutes), `--phases quant` (about 4).
 PHASES: dict[str, tuple[float, Callable[[Ctx], None]]] = {
     "env": (20, phase_env),
     "correct_attention": (40, phase_correct_attention),
     "model": (220, phase_model),
     "model_warm": (60, phase_model_warm),
     "embedded": (30, phase_embedded),
+    "quant": (240, phase_quant),
     "attention": (40, phase_attention),
     "variants": (120, phase_variants),
 }

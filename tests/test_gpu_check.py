@@ -87,6 +87,59 @@ def test_dry_run_writes_every_file_and_key(tmp_path, monkeypatch) -> None:
     assert {(r["process"], r["step"]) for r in capture} == {(p, k) for p in ("cold", "warm")
                                                             for k in ("decode_greedy", "prefill", "first_greedy")}
     assert "| live | decode ms | of copy |" in (tmp_path / gc.TABLE).read_text()
+    # Quantized weights: the products alone per form; every whole-step setting timed at the first live length
+    # beside the bf16 row, its greedy tokens eager's; each product within tolerance of float64 (one row compiled,
+    # several eager).
+    from gpu_check_quant import MATMUL_WEIGHTS, settings
+
+    names = {q.name for q in settings("reduce")}
+    assert names == {"int8", "int4-g32-reduce", "int4-g32-tinygemm"} == {q.name for q in settings("tinygemm")}
+    assert set(s["quant_products"]) == {"float32", *names}
+    assert all(p["ms"] > 0 and p["vs_bf16"] > 0 for p in s["quant_products"].values())
+    assert s["quant_products"]["float32"]["vs_bf16"] == 1.0
+    assert set(s["quant"]) == names
+    live = str(sh.lengths[0])
+    for q in s["quant"].values():
+        assert q["live"] == sh.lengths[0] and q["ms"] > 0 and q["tokens_equal"] is True and q["greedy_ok"] is True
+        assert abs(q["vs_bf16"] - s["decode_ms"][live] / q["ms"]) <= 0.006  # rounded to 2 decimals
+    assert s["quant"]["int4-g32-reduce"]["weight_gb"] == s["quant"]["int4-g32-tinygemm"]["weight_gb"]
+    matmul = {(r["setting"], r["weight"], r["rows"]) for r in rows if r.get("check") == "quant_matmul"}
+    assert matmul == {(q, w, m) for q in names for w in MATMUL_WEIGHTS for m in (1, 4)}
+    assert s["recommended"]["int4_kernel"] in ("reduce", "tinygemm")
+    assert "| weights | live | decode ms | tokens/s | x bf16 |" in (tmp_path / gc.TABLE).read_text()
+
+
+def test_quant_summary_from_rows(monkeypatch) -> None:
+    """Tokens/s against the bf16 row at the same live length; the faster int4 product past the margin; a setting
+    that never ran says why."""
+    gc = _load(monkeypatch)
+
+    def q(setting: str, kernel: str | None, ms: float) -> dict:
+        return {"phase": "quant", "kind": "quant", "setting": setting, "scheme": "int4-g32" if kernel else "int8",
+                "kernel": kernel, "live": 1024, "ms": ms, "tokens_per_s": round(1e3 / ms, 1), "copy_fraction": 0.5,
+                "weight_bytes": 4.5e9}
+
+    bf16 = [{"phase": "model", "kind": "decode", "setting": "default", "live": 1024, "ms": 6.0}]
+    greedy = [{"phase": "quant", "kind": "correct", "check": "greedy_int8", "tokens_equal": True, "ok": True}]
+    rows = [q("int8", None, 4.0), q("int4-g32-reduce", "reduce", 3.0), q("int4-g32-tinygemm", "tinygemm", 2.0)]
+    out = gc.quant_summary(rows, bf16, greedy)
+    assert [out[k]["vs_bf16"] for k in ("int8", "int4-g32-reduce", "int4-g32-tinygemm")] == [1.5, 2.0, 3.0]
+    assert out["int8"]["tokens_equal"] is True and out["int4-g32-reduce"]["tokens_equal"] is None  # no greedy row
+    skipped = {"phase": "quant", "kind": "quant", "setting": "int4-g32-tinygemm", "skipped": "no time left"}
+    assert gc.quant_summary([*rows[:2], skipped], [], [])["int4-g32-tinygemm"] == {"skipped": "no time left"}
+    assert gc.quant_summary(rows, [], [])["int8"]["vs_bf16"] is None  # no bf16 row to compare with
+
+    def p(form: str, ms: float) -> dict:
+        return {"phase": "quant", "kind": "products", "form": form, "ms": ms, "gbps": 1.0, "copy_fraction": 0.5}
+
+    products = [p("bf16", 4.0), p("int8", 2.0), p("int4-g32-reduce", 1.0), p("int4-g32-tinygemm", 1.6)]
+    assert {f: v["vs_bf16"] for f, v in gc.products_summary(products).items()} == {
+        "bf16": 1.0, "int8": 2.0, "int4-g32-reduce": 4.0, "int4-g32-tinygemm": 2.5}
+    # The int4 product: whole steps decide where both ran there, else the products alone; 2% or it stays "reduce".
+    assert gc.int4_kernel(rows, products) == "tinygemm"
+    assert gc.int4_kernel(rows[:2], products) == "reduce"
+    assert gc.int4_kernel([rows[0], rows[1], q("int4-g32-tinygemm", "tinygemm", 2.99)], []) == "reduce"
+    assert gc.int4_kernel(rows[:2], products[:3]) is None  # one kernel timed: nothing to decide
 
 
 def test_a_phase_in_its_own_process(tmp_path, monkeypatch) -> None:
