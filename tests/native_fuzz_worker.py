@@ -1,7 +1,7 @@
 """The body of tests/test_native_fuzz.py, run in a subprocess of its own: a crash (a segfault, a SIGFPE, an abort)
 ends this process, not pytest's, and the test fails on its exit code.
 
-`python -m tests.native_fuzz_worker EXAMPLES [TRAIL [attention,layers,gemv]]` draws EXAMPLES cases per op with
+`python -m tests.native_fuzz_worker EXAMPLES [TRAIL [attention,layers,gemv,quant]]` draws EXAMPLES cases per op with
 hypothesis (derandomised: the same cases every run) over the CPU kernels' public ops and their wrappers: shapes
 (zero sizes included), dtypes, strides (rows padded, transposed), lengths anywhere (negative, past the cache,
 10**9), element counts that do not match the batch. Each case states, independently of the kernels, whether the
@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 
 from static_decode import cpu_kernel
 from static_decode.reference import attention_vectorised
+from tests.native_fuzz_quant import Harness, check_gemv_q_cases
+from tests.native_fuzz_quant_layers import check_layers_q_cases
 
 OPS = torch.ops.static_decode_cpu
 KERNEL_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -317,11 +319,20 @@ def check_gemv(c: dict) -> None:
         torch.testing.assert_close(out.double(), want, atol=tol * max([1.0, *want.abs().tolist()]), rtol=tol)
 
 
+def check_quantized() -> None:
+    """gemv_q and decode_layers_q (tests/native_fuzz_quant.py, native_fuzz_quant_layers.py), counted and traced
+    here."""
+    harness = Harness(note, tally, guarded, same_bits, raises, length)
+    examples = int(sys.argv[1]) if len(sys.argv) > 1 else 100
+    check_gemv_q_cases(harness, examples)
+    check_layers_q_cases(harness, examples, GUARD)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     assert cpu_kernel.available(), "the CPU kernels did not build"
-    only = sys.argv[3].split(",") if len(sys.argv) > 3 else ["attention", "layers", "gemv"]
+    only = sys.argv[3].split(",") if len(sys.argv) > 3 else ["attention", "layers", "gemv", "quant"]
     for name in only:
-        {"attention": check_attention, "layers": check_layers, "gemv": check_gemv}[name]()
+        {"attention": check_attention, "layers": check_layers, "gemv": check_gemv, "quant": check_quantized}[name]()
     for op, (ok, refused) in sorted(counts.items()):
         print(f"{op}: {ok} ran, {refused} refused")

@@ -26,6 +26,7 @@ import torch
 
 from static_decode import Generator, Llama, LlamaConfig, cpu_kernel
 from static_decode.attention import grouped_attention, resolve_impl
+from static_decode.quant import QuantWeight, Scheme
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = torch.ops.static_decode_cpu
@@ -55,6 +56,37 @@ def layers_call(n: int = 1, lens: int = 5, lens_after: int | None = None, read_l
     return (lambda: OPS.decode_layers(*args)), (kbuf, vbuf)
 
 
+def layers_q_call(lens: int = 5, *, float_q: bool = False, drop_scale: bool = False):
+    """decode_layers_q's arguments for 2 layers of an int4-g32 float32 model (D 64, inner 128, 2 KV heads of 16, 2
+    query heads a KV head), the cache guarded as layers_call's; `float_q`: layer 0's q a float weight in place of
+    its codes; `drop_scale`: 13 scales: (call, guarded buffers)."""
+    gen = torch.Generator().manual_seed(2)
+    D, inner, d, hkv, max_len = 64, 128, 16, 2, 8
+    weights, scales = [], []
+    for _ in range(2):
+        for shape in ((D,), (2 * hkv * d, D), (hkv * d, D), (hkv * d, D), (D, 2 * hkv * d), (D,), (inner, D),
+                      (inner, D), (D, inner)):
+            w = torch.randn(shape, generator=gen) * 0.2
+            qw = QuantWeight(w, Scheme(4, 32)) if w.dim() == 2 else None
+            weights.append(w if qw is None else qw.qweight)
+            scales += [] if qw is None else [qw.scales]
+    if float_q:
+        weights[1] = torch.randn(2 * hkv * d, D, generator=gen)
+    if drop_scale:
+        scales.pop()
+    kbuf, vbuf = (torch.randn(2, 1, hkv, max_len + 1 + 4, d, generator=gen) for _ in range(2))
+    k, v = kbuf[:, :, :, 2:-2], vbuf[:, :, :, 2:-2]
+    x = torch.randn(1, 1, D, generator=gen)
+    cos, sin = torch.randn(1, 1, 1, d // 2, generator=gen), torch.randn(1, 1, 1, d // 2, generator=gen)
+    args = (x, cos, sin, k, v, torch.tensor([lens]), torch.tensor([1]), torch.tensor([lens + 1]), 8, weights, scales,
+            32, 1e-5)
+    return (lambda: OPS.decode_layers_q(*args)), (kbuf, vbuf)
+
+
+def gemv_q_call(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int):
+    return (lambda: OPS.gemv_q(x, qweight, scales, group)), (x, qweight, scales)
+
+
 def attention_call(lens: list[int], n_new: list[int], *, B: int = 2, S: int = 8, d: int = 16, slots: int = 1):
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(B, 2, 3 * slots, d, generator=gen)
@@ -80,7 +112,18 @@ def cases() -> dict:
         "layers: zero KV heads": (layers_call(hkv=0), r"no layer or no KV head"),
         "layers: head_dim 0": (layers_call(d=0), r"head_dim 0 is not supported"),
         "layers: layer 1's q rows differ": (layers_call(q_rows=[64, 128]), r"layer 1 weight 1"),
+        "layers_q: lens = 10**9": (layers_q_call(lens=10**9), r"lens 1000000000 outside 0\.\.7"),
+        "layers_q: a float weight where codes belong": (
+            layers_q_call(float_q=True), r"layer 0 weight 1: int4 codes must be packed uint8, got Float"),
+        "layers_q: 13 scales for 2 layers": (layers_q_call(drop_scale=True),
+                                             r"13 scales for 2 layers of quantized weights \(7 a layer\)"),
     }
+    g32 = QuantWeight(torch.randn(6, 128), Scheme(4, 32))
+    out["gemv_q: int4 K 96"] = (gemv_q_call(torch.randn(96), g32.qweight[:, :48].contiguous(),
+                                            g32.scales[:, :3].contiguous(), 32), r"K a multiple of 64 .*got K 96")
+    out["gemv_q: int8 scales for 7 rows of 6"] = (
+        gemv_q_call(torch.randn(40), torch.ones(6, 40, dtype=torch.int8), torch.ones(7), 0),
+        r"int8 scales must be \[6\], got \[7\]")
     for name, lens, n_new, pattern in (
         ("attention: empty lens", [], [], r"lens must hold 2 int64 values"),
         ("attention: lens shorter than the batch", [3], [1], r"lens must hold 2 int64 values"),
