@@ -9,20 +9,21 @@ are quantized.
 Formats (`Scheme`):
 
 * int8: symmetric, one scale per output channel: w ~ q * s, q in -128..127, s = max|w_row| / 127 rounded to the
-  model's dtype. Stored as int8 [N, K] and the scales [N]; the product is torch's
-  `aten._weight_int8pack_mm(x, q, s)` (one row and chunks alike).
+  model's dtype. Stored as int8 [N, K] and the scales [N].
 * int4: asymmetric, one scale and one offset per group of `group` (32, 64 or 128) consecutive inputs of a row:
   w ~ (q - 8) * s + z, q in 0..15, z = lo + 8 * s, s = (hi - lo) / 15 over the group's range, both rounded to the
   model's dtype (torch's tinygemm convention). The range is the one of a small search of shrunk ranges that
   minimises the group's squared error (as llama.cpp's k-quants search their scales): outliers clipped where that
-  costs less than the coarser steps they force. Stored as torch's CPU int4 layout
-  (`aten._convert_weight_to_int4pack_for_cpu`: uint8 [N, K / 2], laid out for this CPU's vector width, so it is
-  packed at load on the machine that runs it) and scales_and_zeros [K / group, N, 2]; the product is
-  `aten._weight_int4pack_mm_for_cpu`.
+  costs less than the coarser steps they force. Stored as two codes a byte (`pack_int4`: uint8 [N, K / 2], chunks
+  of 64 columns, the same on every device and CPU) and the pairs (s, z) [N, K / group, 2].
 
-Both products are aten ops: eager and compiled steps call the same kernel (inductor calls it as an extern
-kernel), so compiled tokens are eager tokens. Measured one-row rates on the 2-vCPU Xeon: profiles/quant_kernels.py
-and profiles/RESULTS.md ("Quantized weights").
+The products: one row on the CPU through our kernel (csrc/gemv_quant.cpp, `torch.ops.static_decode_cpu.gemv_q`:
+the codes widened in registers, read at the rate our bfloat16 GEMV reads bfloat16), which the fused decode layers
+call too; eager and compiled steps call the same op, so compiled tokens are eager tokens. Several rows (prefill
+chunks) multiply by the dequantized weight through the float GEMM. Measured: profiles/quant_kernels.py and
+profiles/RESULTS.md ("Quantized weights"). On CUDA the products are static_decode.quant_cuda's: one row as one
+reduction inductor fuses with the unpacking and scaling (no float weight materialised in a compiled step), or
+for int4 torch's tinygemm (`use_int4_kernel`); several rows int8 by gpt-fast's form, int4 as on the CPU.
 
 `quantize_model(model, "int8" | "int4" | Scheme)` rewrites a loaded model in place (`static_decode.loading.load_model
 (quantize=...)` calls it after loading, so a tensor-parallel rank quantizes its own slices: its groups are whole
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from static_decode import cpu_kernel, quant_cuda
 from static_decode.parallel import shard_dim
 
 INT4_GROUPS = (32, 64, 128)
@@ -123,6 +125,16 @@ def quantize_int4(
     return q, best_s.squeeze(-1).to(dtype), best_z.squeeze(-1).to(dtype)
 
 
+def int4_refusal(K: int, group: int) -> str | None:
+    """Why an int4 weight with K inputs cannot take groups of `group` (None when it can): the packed layout's chunks
+    of 64 columns and the groups must divide K."""
+    if K % INT4_CHUNK == 0 and K % group == 0:
+        return None
+    fits = [f"int4-g{g}" for g in INT4_GROUPS if K % g == 0] if K % INT4_CHUNK == 0 else []
+    return f"int4 takes a weight whose {K} inputs are a multiple of {INT4_CHUNK} and of the group {group}; use " + (
+        " or ".join(fits) or "int8")
+
+
 def _int4_at(
     g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,31 +147,23 @@ def _int4_at(
 
 
 # ---- the stored weight and its product -------------------------------------------------------------------------
-def int4_block() -> tuple[int, bool]:
-    """(rows per block, halves) of `aten._convert_weight_to_int4pack_for_cpu` on this CPU (ATen's int4mm_kernel.cpp):
-    blocks of 4 float vectors' worth of rows (64 on AVX-512, 32 otherwise), K bytes of block/2 each; byte j of a
-    full block holds rows j (low nibble) and j + block/2 (high) on AVX-512 and AVX2 ("halves"), rows 2j and 2j + 1
-    in the portable build and in a last, partial block."""
-    cap = torch.backends.cpu.get_cpu_capability()
-    return (64 if cap == "AVX512" else 32), cap in ("AVX512", "AVX2")
+INT4_CHUNK = 64  # columns per packed chunk: its 32 bytes hold columns j (low nibble) and j + 32 (high nibble)
 
 
-def unpack_int4(packed: torch.Tensor, N: int, K: int, layout: tuple[int, bool] | None = None) -> torch.Tensor:
-    """The codes [N, K] (uint8, 0..15) of an int4 weight in torch's CPU layout `layout` (default `int4_block()`;
-    tested against the layout's own product: tests/test_quant.py)."""
-    block, halves = int4_block() if layout is None else layout
-    flat = packed.reshape(-1)
-    full = N // block * block  # rows in whole blocks
-    parts = []
-    if full:
-        b = flat[: full * K // 2].view(full // block, K, block // 2)  # [NB, K, block/2]
-        lo, hi = b & 15, b >> 4
-        rows = torch.cat([lo, hi], 2) if halves else torch.stack([lo, hi], -1).view(full // block, K, block)
-        parts.append(rows.transpose(1, 2).reshape(full, K))  # [full, K]
-    if full < N:
-        b = flat[full * K // 2:].view(K, (N - full) // 2)  # [K, rest/2]: pairs of rows
-        parts.append(torch.stack([b & 15, b >> 4], -1).view(K, N - full).t())  # [rest, K]
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Codes q [N, K] (0..15, K a multiple of 64) -> uint8 [N, K / 2]: in each chunk of 64 columns, byte j holds
+    column j in its low nibble and column j + 32 in its high one (csrc/gemv_quant.cpp widens a chunk's 32 bytes
+    to two runs of 32 consecutive columns with a few bit operations)."""
+    N, K = q.shape
+    c = q.to(torch.uint8).view(N, K // INT4_CHUNK, 2, INT4_CHUNK // 2)  # [N, chunks, 2, 32]
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(N, K // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K / 2] (`pack_int4`'s layout) -> the codes [N, K] (uint8, 0..15)."""
+    N, half = packed.shape
+    b = packed.view(N, half // (INT4_CHUNK // 2), INT4_CHUNK // 2)  # [N, chunks, 32]
+    return torch.stack([b & 15, b >> 4], dim=2).view(N, 2 * half)  # [N, chunks, 2, 32] -> [N, K]
 
 
 class QuantWeight(nn.Module):
@@ -169,6 +173,7 @@ class QuantWeight(nn.Module):
 
     qweight: torch.Tensor
     scales: torch.Tensor
+    tinygemm_on: str | None = None  # int4: the device type `use_int4_kernel("tinygemm")` prepared operands for
 
     def __init__(self, weight: torch.Tensor, scheme: Scheme, amax: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -176,23 +181,17 @@ class QuantWeight(nn.Module):
         dtype = weight.dtype
         if dtype not in DTYPES:
             raise ValueError(f"quantized weights take a float32 or bfloat16 model, got {dtype}")
-        if scheme.bits == 4 and K % scheme.group:
-            raise ValueError(f"int4 group {scheme.group} does not divide the weight's {K} inputs; use "
-                             f"{' or '.join(f'int4-g{g}' for g in INT4_GROUPS if K % g == 0) or 'int8'}")
-        if scheme.bits == 4 and N % 16:
-            raise ValueError(f"int4 needs a multiple of 16 output rows (torch's CPU int4 layout), got {N}; use int8")
+        if scheme.bits == 4 and (why := int4_refusal(K, scheme.group)):
+            raise ValueError(why)
         self.scheme, self.out_features, self.in_features = scheme, N, K
-        self.layout = int4_block()  # asked here, once: a compiled step cannot trace the CPU capability query
         if scheme.bits == 8:
             q, s = quantize_int8(weight, dtype, amax)
             self.register_buffer("qweight", q)  # int8 [N, K]
             self.register_buffer("scales", s)  # [N]
         else:
             q, s, z = quantize_int4(weight, scheme.group, dtype)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.cpu(), 1).to(weight.device)  # [N, K/2]
-            sz = torch.stack([s, z], dim=-1).transpose(0, 1).contiguous()  # [K/group, N, 2]
-            self.register_buffer("qweight", packed)
-            self.register_buffer("scales", sz)
+            self.register_buffer("qweight", pack_int4(q))  # uint8 [N, K / 2]
+            self.register_buffer("scales", torch.stack([s, z], dim=-1))  # [N, K / group, 2]: (s, z) per group
 
     @property
     def shape(self) -> torch.Size:
@@ -214,32 +213,63 @@ class QuantWeight(nn.Module):
         """x [..., K] (the model's dtype) times the weight's transpose -> [..., N] in x's dtype."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
-        if x2.shape[0] != 1:
-            # Several rows (prefill chunks, verify steps): the weight dequantized in x's dtype, then the float GEMM.
-            # torch's int8/int4 CPU kernels take rows one at a time: a 256-row chunk by SmolLM2's gate/up ran 33x
-            # (int8) to 52x (int4) slower than F.linear in float32, 3-4x in bfloat16; the dequantization costs a
-            # pass over the weight (profiles/RESULTS.md, "Quantized weights").
-            return torch.nn.functional.linear(x2, self.dequantize(x.dtype)).reshape(*lead, self.out_features)
-        if self.scheme.bits == 8:
-            out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)  # [1, N]
+        if self.tinygemm_on == self.device.type and x2.shape[0] <= quant_cuda.TINYGEMM_ROWS:  # `use_int4_kernel`
+            out = quant_cuda.tinygemm_matmul(x2, self.tinygemm_weight, self.tinygemm_scales, self.scheme.group)
+        elif x2.shape[0] == 1 and self.device.type == "cpu" and cpu_kernel.available():
+            # One row on the CPU: our kernel (csrc/gemv_quant.cpp), eager and compiled alike.
+            group = 0 if self.scheme.bits == 8 else self.scheme.group
+            out = torch.ops.static_decode_cpu.gemv_q(x2, self.qweight, self.scales, group)  # [N]
+        elif x2.shape[0] == 1 and self.device.type == "cpu" and self.scheme.bits == 8:
+            out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)  # [1, N] (no kernels built)
+        elif self.device.type == "cuda" and self.scheme.bits == 8:  # static_decode.quant_cuda (one row: a reduction)
+            out = quant_cuda.int8_matmul(x2, self.qweight, self.scales)  # [M, N]
+        elif self.device.type == "cuda" and x2.shape[0] == 1:  # int4, one row: one fused reduction over the bytes
+            out = quant_cuda.int4_row(x2, self.qweight, self.scales, self.scheme.group)  # [1, N]
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.scheme.group, self.scales)
+            # Several rows (prefill chunks, verify steps), and int4 without our kernels: the weight dequantized in
+            # x's dtype, then the float GEMM. torch's int8/int4 CPU kernels take rows one at a time: a 256-row
+            # chunk by SmolLM2's gate/up ran 33x (int8) to 52x (int4) slower than F.linear in float32, 3-4x in
+            # bfloat16; the dequantization (csrc/gemv_quant.cpp's dequant_q on the CPU) costs a pass over the codes
+            # (profiles/RESULTS.md, "Quantized weights").
+            out = torch.nn.functional.linear(x2, self.dequantize(x.dtype))  # [M, N]
         return out.reshape(*lead, self.out_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """The weight [N, K] the products multiply by, in `dtype` (float64: exact from the stored codes and
-        scales; the model's dtype: what the several-row products use)."""
+        scales; the model's dtype: what the several-row products use, computed in float32 and rounded once, as the
+        one-row kernel multiplies in float32)."""
         N, K = self.shape
+        group = 0 if self.scheme.bits == 8 else self.scheme.group
+        if dtype in DTYPES and self.device.type == "cpu" and cpu_kernel.available():
+            return torch.ops.static_decode_cpu.dequant_q(self.qweight, self.scales, group, dtype)  # one pass
+        math = torch.float64 if dtype == torch.float64 else torch.float32
         if self.scheme.bits == 8:
-            return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]  # [N, K]
-        g = self.scheme.group
-        q = self.codes().to(dtype).view(N, K // g, g)  # [N, G, group]
-        s, z = self.scales.to(dtype).unbind(-1)  # [G, N] each
-        return ((q - 8) * s.t()[..., None] + z.t()[..., None]).view(N, K)
+            return (self.qweight.to(math) * self.scales.to(math)[:, None]).to(dtype)  # [N, K]
+        q = self.codes().to(math).view(N, K // group, group)  # [N, G, group]
+        s, z = self.scales.to(math).unbind(-1)  # [N, G] each
+        return ((q - 8) * s[..., None] + z[..., None]).view(N, K).to(dtype)
 
     def codes(self) -> torch.Tensor:
-        """int4: the codes q [N, K] (uint8, 0..15) unpacked from torch's CPU layout (`unpack_int4`)."""
-        return unpack_int4(self.qweight, self.out_features, self.in_features, self.layout)
+        """int4: the codes q [N, K] (uint8, 0..15) unpacked from the packed layout (`unpack_int4`)."""
+        return unpack_int4(self.qweight)
+
+    def use_int4_kernel(self, kernel: str) -> None:
+        """int4: the product of up to quant_cuda.TINYGEMM_ROWS rows through torch's tinygemm ("tinygemm": its
+        operands prepared here, on this device, as buffers beside the stored ones and not saved) or the default
+        ("reduce": they are dropped). Refused, naming why, where tinygemm does not take the weight."""
+        quant_cuda.check_int4_kernel(kernel)
+        if self.scheme.bits != 4:
+            raise ValueError(f"an int4 kernel takes int4 weights, this one is {self.scheme.name}")
+        self.tinygemm_on = None
+        for name in ("tinygemm_weight", "tinygemm_scales"):
+            self._buffers.pop(name, None)
+        if kernel == "tinygemm":
+            if why := quant_cuda.tinygemm_refusal(self.device, self.dtype, *self.shape):
+                raise ValueError(why)
+            packed, scales = quant_cuda.tinygemm_operands(self.codes(), self.scales)
+            self.register_buffer("tinygemm_weight", packed, persistent=False)  # tinygemm's layout of the codes
+            self.register_buffer("tinygemm_scales", scales, persistent=False)  # [K / group, N, 2]
+            self.tinygemm_on = self.device.type
 
     def extra_repr(self) -> str:
         return f"{self.scheme.name}, out={self.out_features}, in={self.in_features}"
@@ -295,9 +325,8 @@ def quantize_model(model: nn.Module, spec: str | Scheme) -> nn.Module:
     embed = model.embed_tokens.weight
     if embed.dtype not in DTYPES:
         raise ValueError(f"--quantize {scheme.name} takes a float32 or bfloat16 model, not {embed.dtype}")
-    if embed.device.type != "cpu":
-        raise ValueError(f"--quantize {scheme.name} runs on the CPU (torch's int8/int4 CPU kernels), "
-                         f"the model is on {embed.device}")
+    if embed.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--quantize {scheme.name} runs on the CPU or CUDA, the model is on {embed.device}")
     targets = [
         (module, child, f"{name}.{child}" if name else child, linear)
         for name, module in model.named_modules()
@@ -308,9 +337,8 @@ def quantize_model(model: nn.Module, spec: str | Scheme) -> nn.Module:
         targets.append((model, "lm_head", "lm_head (tied to embed_tokens)", None))
     for _, _, full, linear in targets:  # every layer checked before any is replaced: a refusal changes nothing
         K = embed.shape[1] if linear is None else linear.in_features
-        if scheme.bits == 4 and K % scheme.group:
-            raise ValueError(f"{full}: int4 group {scheme.group} does not divide the weight's {K} inputs; use "
-                             f"{' or '.join(f'int4-g{g}' for g in INT4_GROUPS if K % g == 0) or 'int8'}")
+        if scheme.bits == 4 and (why := int4_refusal(K, scheme.group)):
+            raise ValueError(f"{full}: {why}")
     for module, child, full, linear in targets:
         weight, bias = (embed, None) if linear is None else (linear.weight, linear.bias)
         setattr(module, child, QuantLinear(weight, bias, scheme, _row_amax(model, full, weight, scheme)))
@@ -340,6 +368,23 @@ def scheme_of(model: nn.Module) -> Scheme | None:
     return getattr(model, "quantization", None)
 
 
+def use_int4_kernel(model: nn.Module, kernel: str) -> nn.Module:
+    """The setting of an int4 model's product of few rows (static_decode.quant_cuda): "reduce" (the default, what
+    a quantized model uses unless told otherwise: inductor's fused reduction on CUDA) or "tinygemm" (torch's
+    `_weight_int4pack_mm`, bfloat16 on CUDA; on the CPU its CPU counterpart). Every weight is checked before any
+    changes: a refusal names the layer and leaves the model as it was."""
+    quant_cuda.check_int4_kernel(kernel)
+    if (scheme := scheme_of(model)) is None or scheme.bits != 4:
+        raise ValueError(f"an int4 kernel takes an int4 model, this one is {scheme.name if scheme else 'float'}")
+    weights = [(name, m) for name, m in model.named_modules() if isinstance(m, QuantWeight)]
+    for name, m in weights:
+        if kernel == "tinygemm" and (why := quant_cuda.tinygemm_refusal(m.device, m.dtype, *m.shape)):
+            raise ValueError(f"{name.removesuffix('.weight')}: {why}")
+    for _, m in weights:
+        m.use_int4_kernel(kernel)
+    return model
+
+
 def read_bytes(model: nn.Module) -> int:
     """Bytes of the weights one decode step reads: `weight_bytes` less the embedding where the head does not read
     it (untied, or tied and quantized: the head reads its own copy); a step looks up one embedding row."""
@@ -349,11 +394,13 @@ def read_bytes(model: nn.Module) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every weight a model holds (parameters and quantized buffers; not the rotary table), counting a
-    tensor shared by two modules once."""
+    """Bytes of every weight a model holds (parameters and quantized weights as stored; not the rotary table, nor
+    the tinygemm operands `use_int4_kernel` prepares beside an int4 weight, which a step reads in its place, byte
+    for byte), counting a tensor shared by two modules once."""
     seen: set[int] = set()
     total = 0
-    for t in (*model.parameters(), *(b for m in model.modules() if isinstance(m, QuantWeight) for b in m.buffers())):
+    stored = (t for m in model.modules() if isinstance(m, QuantWeight) for t in (m.qweight, m.scales))
+    for t in (*model.parameters(), *stored):
         if id(t) not in seen:
             seen.add(id(t))
             total += t.nbytes

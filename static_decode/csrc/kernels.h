@@ -26,6 +26,7 @@ struct QuantMat {
   int64_t bits;      // 8 or 4
   int64_t group;     // int4's group size (32, 64, 128); 0 for int8
   bool bf16_scales;  // scales in bfloat16 (else float32)
+  bool bf16_row;     // the row it multiplies is bfloat16 (quant_mat: as the scales; int4 then takes the bf16 path)
 };
 struct QuantRow {  // the row x [K] as the products read it: prepare_row
   int64_t K = 0;
