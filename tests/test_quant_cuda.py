@@ -52,8 +52,10 @@ def _product(qw: QuantWeight):
 
 
 def _buffers(code: str) -> list[int]:
-    """Element counts of the buffers inductor's generated (CPU) code allocates."""
+    """Element counts of the buffers inductor's generated (CPU) code allocates: its own (`empty_strided_cpu`) and
+    those an extern op returns (the size it asserts for them)."""
     sizes = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", code)
+    sizes += re.findall(r"assert_size_stride\(buf\d+, \(([^)]*)\)", code)
     return [int(torch.Size(int(d) for d in s.split(",") if d.strip()).numel()) for s in sizes]
 
 
@@ -79,12 +81,15 @@ def test_one_row_matches_float64_eager_and_compiled(scheme: Scheme, dtype: torch
 
 
 def test_the_buffer_check_sees_a_materialised_weight() -> None:
-    """The counterfactual: the dequantized weight handed to F.linear is an [N, K] buffer in the compiled code."""
-    qw = _weight(Scheme(4, 32), torch.bfloat16)
+    """The counterfactuals: a weight handed to F.linear is an [N, K] buffer in the compiled code, converted by
+    inductor (gpt-fast's int8 form on the CPU) or dequantized by an op."""
+    q8, q4 = _weight(Scheme(8), torch.bfloat16), _weight(Scheme(4, 32), torch.bfloat16)
     x = torch.randn(1, K, dtype=torch.bfloat16)
-    torch._dynamo.reset()
-    _, code = run_and_get_code(torch.compile(lambda x: F.linear(x, qw.dequantize(x.dtype))), x)
-    assert max(_buffers(code[0])) >= N * K
+    for fn in (lambda x: F.linear(x, q8.qweight.to(x.dtype)) * q8.scales,
+               lambda x: F.linear(x, q4.dequantize(x.dtype))):
+        torch._dynamo.reset()
+        _, code = run_and_get_code(torch.compile(fn), x)
+        assert max(_buffers(code[0])) >= N * K
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
