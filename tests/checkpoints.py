@@ -39,7 +39,8 @@ def hf_llama(
     bias: bool = False,
     hidden: int = 64,
 ):
-    """A random transformers LlamaForCausalLM: hidden 64 (`hidden`; the MLP twice it), GQA 8 query / 2 KV heads (kv_heads to change), weights
+    """A random transformers LlamaForCausalLM: hidden 64 (`hidden`; the MLP twice it), GQA 8 query / 2 KV heads
+    (kv_heads to change), weights
     large enough that logits spread over several units (so a 1e-4 agreement is not trivially met by near-zero
     logits). bias=True: every projection has a (random, nonzero) bias."""
     import transformers
