@@ -231,3 +231,17 @@ def test_a_bench_beside_llama_cpp_quants_of_tiny_ggufs(tmp_path):
     assert all(r["compared_with"] == "static-decode" for r in doc["rows"] if r["system"].startswith("llama.cpp"))
     assert [s.get("file_type") for s in doc["systems"][2:]] == ["F32", "Q8_0", "Q4_0"]
     assert torch.get_num_threads() == 1
+
+
+def test_transformers_is_skipped_on_a_quantized_checkpoint(tmp_path):
+    """transformers reads float weights: on a saved quantized checkpoint the system is skipped with one line."""
+    from static_decode.commands.bench_systems import build
+    from static_decode.quant_io import save_quantized
+
+    model = quant.quantize_model(load_model(default_model_path()), "int8")
+    save_quantized(model, tmp_path / "q", default_model_path())
+    system, why = build("transformers", model, path=tmp_path / "q", max_len=64)
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed")
+    assert system is None
+    assert why == f"skipped: {tmp_path / 'q'} is a quantized checkpoint; transformers reads float weights"

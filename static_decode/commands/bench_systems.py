@@ -45,6 +45,7 @@ from capture.buckets import BucketLadder
 from capture.settings import CaptureOptions
 from static_decode.generator import Generator
 from static_decode.model import Llama
+from static_decode.quant_io import stored_quantization
 from static_decode.speculation import PromptLookup
 from static_decode.steps import GREEDY_KINDS
 from static_decode.verify import speculative_kinds
@@ -278,6 +279,8 @@ def build(
     if name == "transformers":
         if importlib.util.find_spec("transformers") is None:
             return None, "skipped: transformers is not installed (pip install 'static-decode[bench]')"
+        if (path / "config.json").is_file() and stored_quantization(path) is not None:
+            return None, f"skipped: {path} is a quantized checkpoint; transformers reads float weights"
         return TransformersSystem(path, model.dtype, model.device, max_len, transformers_compile), ""
     if name == "llama.cpp":
         if importlib.util.find_spec("llama_cpp") is None:
