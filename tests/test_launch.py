@@ -141,8 +141,9 @@ def test_a_command_that_cannot_shard_refuses_under_torchrun(monkeypatch, capsys)
     assert not torch.distributed.is_initialized()
 
 
-# One process by design: the server owns one port and one request queue; perplexity scores one text.
-SINGLE_PROCESS = {"serve", "perplexity"}
+# One process by design: the server owns one port and one request queue; perplexity scores one text; quantize
+# writes one checkpoint (a tensor-parallel load slices it later).
+SINGLE_PROCESS = {"serve", "perplexity", "quantize"}
 
 
 def test_every_shipped_command_runs_under_torchrun():
