@@ -147,69 +147,65 @@ void int4_rows_float(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n
 }
 
 #if defined(__AVX512BF16__)
-// A bfloat16 row and bfloat16 scales on a CPU with AVX512-BF16: the 128 + q trick above, 4 rows at a time (4
-// independent FMA chains: a row's chunks are serial through its accumulator).
-template <int kGroup>
-void int4_rows_bf16(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y) {
+// A bfloat16 row and bfloat16 scales on a CPU with AVX512-BF16: the 128 + q trick above. `int4_block` takes R rows
+// from row n with R a compile-time count, so its accumulators stay in registers (a runtime row count left the loop
+// over rows rolled and the accumulators on the stack).
+template <int kGroup, int R>
+void int4_block(const QuantMat& m, const QuantRow& x, int64_t n, float* sbuf, float* y) {
   const int64_t K = x.K, G = K / kGroup, half = K / 2, C = K / 64;
   const auto* Q = static_cast<const uint8_t*>(m.q);
   const auto* S = static_cast<const uint16_t*>(m.s);  // (s, z) bfloat16 pairs [N, G]
   const __m512i magic = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000F);
   const __m512i zhalf = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  std::vector<float> sbuf(kRows4 * G);  // this block's scales as float32: broadcast from memory in the loop
-  const auto start = [&](int64_t n, int r, __m512& acc) {  // row n's scales into sbuf[r]; acc = its offset term
-    acc = _mm512_setzero_ps();
-    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(S + n * G * 2);  // (s | z << 16) per group
+  __m512 acc[R], d[R];
+  for (int r = 0; r < R; ++r) {  // row n + r's scales as float32 into sbuf (broadcast from memory in the loop);
+    acc[r] = _mm512_setzero_ps();  // its offset term into acc
+    d[r] = _mm512_setzero_ps();
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(S + (n + r) * G * 2);  // (s | z << 16) per group
     for (int64_t g = 0; g < G; g += 16) {
       const __mmask16 mk = static_cast<__mmask16>(G - g >= 16 ? 0xFFFF : (1u << (G - g)) - 1);
       const __m512i p = _mm512_maskz_loadu_epi32(mk, pairs + g);
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
-      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(p, zhalf));
-      _mm512_mask_storeu_ps(sbuf.data() + r * G + g, mk, s);
-      const __m512 zt = _mm512_fmadd_ps(s, _mm512_set1_ps(-136.f), z);  // z - 136 s
-      acc = _mm512_fmadd_ps(zt, _mm512_maskz_loadu_ps(mk, x.xsum + g), acc);
+      const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+      const __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(p, zhalf));
+      _mm512_mask_storeu_ps(sbuf + r * G + g, mk, sv);
+      const __m512 zt = _mm512_fmadd_ps(sv, _mm512_set1_ps(-136.f), zv);  // z - 136 s
+      acc[r] = _mm512_fmadd_ps(zt, _mm512_maskz_loadu_ps(mk, x.xsum + g), acc[r]);
     }
-  };
-  const auto widen = [&](const uint8_t* p, __m512bh& lo, __m512bh& hi) {
-    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    lo = (__m512bh)_mm512_ternarylogic_epi32(w, low, magic, 0xEA);  // (w & 15) | magic
-    hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 4), magic);
-  };
-  int64_t n = n0;
-  for (; n < n1; n += kRows4) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows4, n1 - n));
-    __m512 acc[kRows4], d[kRows4];
-    for (int r = 0; r < kRows4; ++r) {
-      if (r < rows) start(n + r, r, acc[r]);
-      d[r] = _mm512_setzero_ps();
-    }
-    const char* ahead = reinterpret_cast<const char*>(Q + n * half) + kAhead;
-    for (int64_t c = 0; c < C; ++c) {
-      _mm_prefetch(ahead + c * 32 * kRows4, _MM_HINT_T0);  // the 128 bytes this step consumes, kAhead further on
-      _mm_prefetch(ahead + c * 32 * kRows4 + 64, _MM_HINT_T0);
-      const __m512bh xl = (__m512bh)_mm512_loadu_si512(x.xb + 64 * c);
-      const __m512bh xh = (__m512bh)_mm512_loadu_si512(x.xb + 64 * c + 32);
-      for (int r = 0; r < kRows4; ++r) {
-        if (r >= rows) break;
-        const uint8_t* w = Q + (n + r) * half + 32 * c;
-        __m512bh lo, hi;
-        widen(w, lo, hi);
-        const float* s = sbuf.data() + r * G;
-        if constexpr (kGroup == 32) {
-          acc[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), lo, xl), _mm512_set1_ps(s[2 * c]), acc[r]);
-          acc[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), hi, xh), _mm512_set1_ps(s[2 * c + 1]),
-                                   acc[r]);
-        } else {
-          d[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(d[r], lo, xl), hi, xh);
-          if ((64 * (c + 1)) % kGroup == 0) {  // the group ends with this chunk
-            acc[r] = _mm512_fmadd_ps(d[r], _mm512_set1_ps(s[64 * (c + 1) / kGroup - 1]), acc[r]);
-            d[r] = _mm512_setzero_ps();
-          }
+  }
+  const char* ahead = reinterpret_cast<const char*>(Q + n * half) + kAhead;
+  for (int64_t c = 0; c < C; ++c) {
+    _mm_prefetch(ahead + c * 32 * R, _MM_HINT_T0);  // the bytes this step consumes, kAhead further on
+    if (R > 2) _mm_prefetch(ahead + c * 32 * R + 64, _MM_HINT_T0);
+    const __m512bh xl = (__m512bh)_mm512_loadu_si512(x.xb + 64 * c);
+    const __m512bh xh = (__m512bh)_mm512_loadu_si512(x.xb + 64 * c + 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512i w = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Q + (n + r) * half + 32 * c)));
+      const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(w, low, magic, 0xEA);  // (w & 15) | magic
+      const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 4), magic);
+      const float* s = sbuf + r * G;
+      if constexpr (kGroup == 32) {
+        acc[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), lo, xl), _mm512_set1_ps(s[2 * c]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), hi, xh), _mm512_set1_ps(s[2 * c + 1]),
+                                 acc[r]);
+      } else {
+        d[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(d[r], lo, xl), hi, xh);
+        if ((64 * (c + 1)) % kGroup == 0) {  // the group ends with this chunk
+          acc[r] = _mm512_fmadd_ps(d[r], _mm512_set1_ps(s[64 * (c + 1) / kGroup - 1]), acc[r]);
+          d[r] = _mm512_setzero_ps();
         }
       }
     }
-    for (int r = 0; r < rows; ++r) y[n + r] = _mm512_reduce_add_ps(acc[r]);
   }
+  for (int r = 0; r < R; ++r) y[n + r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+template <int kGroup>
+void int4_rows_bf16(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y) {
+  std::vector<float> sbuf(kRows4 * (x.K / kGroup));  // a block's scales as float32
+  int64_t n = n0;
+  for (; n + kRows4 <= n1; n += kRows4) int4_block<kGroup, kRows4>(m, x, n, sbuf.data(), y);
+  for (; n < n1; ++n) int4_block<kGroup, 1>(m, x, n, sbuf.data(), y);
 }
 #endif
 
