@@ -1,10 +1,8 @@
 """Weight-only quantization of a model's projections: int8 per output channel and int4 in groups along K.
 
-Why: a batch-1 decode step reads every weight once per token, so its time is the weight bytes over the memory's
-rate. int8 halves a bfloat16 model's projection bytes, int4 quarters them (plus a scale, and for int4 a zero, per
-group). Activations, norms, the KV cache and the embedding (one row read per token) stay in the model's dtype;
-every projection and the LM head (tied or not: a tied model gets a quantized copy of the embedding as its head)
-are quantized.
+Why: a batch-1 decode step reads every weight once per token: int8 halves a bfloat16 model's projection bytes, int4
+quarters them (plus scales). Activations, norms, the KV cache and the embedding (one row read per token) stay in
+the model's dtype; every projection and the LM head (a tied model's gets a quantized copy) are quantized.
 
 Formats (`Scheme`):
 
@@ -17,13 +15,11 @@ Formats (`Scheme`):
   costs less than the coarser steps they force. Stored as two codes a byte (`pack_int4`: uint8 [N, K / 2], chunks
   of 64 columns, the same on every device and CPU) and the pairs (s, z) [N, K / group, 2].
 
-The products: one row on the CPU through our kernel (csrc/gemv_quant.cpp, `torch.ops.static_decode_cpu.gemv_q`:
-the codes widened in registers, read at the rate our bfloat16 GEMV reads bfloat16), which the fused decode layers
-call too; eager and compiled steps call the same op, so compiled tokens are eager tokens. Several rows (prefill
-chunks) multiply by the dequantized weight through the float GEMM. Measured: profiles/quant_kernels.py and
-profiles/RESULTS.md ("Quantized weights"). On CUDA the products are static_decode.quant_cuda's: one row as one
-reduction inductor fuses with the unpacking and scaling (no float weight materialised in a compiled step), or
-for int4 torch's tinygemm (`use_int4_kernel`); several rows int8 by gpt-fast's form, int4 as on the CPU.
+The products: one row on the CPU through our kernel (csrc/gemv_quant.cpp, `torch.ops.static_decode_cpu.gemv_q`,
+the codes widened in registers), which the fused decode layers call too; eager and compiled steps call the same
+op, so compiled tokens are eager tokens. Several rows (prefill chunks) multiply by the weight dequantized once
+(`dequant_q`) through the float GEMM. Measured: profiles/RESULTS.md ("Quantized weights in our kernels"). On
+CUDA: static_decode.quant_cuda (one row as one fused reduction, or int4 through tinygemm: `use_int4_kernel`).
 
 `quantize_model(model, "int8" | "int4" | Scheme)` rewrites a loaded model in place (`static_decode.loading.load_model
 (quantize=...)` calls it after loading, so a tensor-parallel rank quantizes its own slices: its groups are whole
@@ -227,10 +223,8 @@ class QuantWeight(nn.Module):
             out = quant_cuda.int4_row(x2, self.qweight, self.scales, self.scheme.group)  # [1, N]
         else:
             # Several rows (prefill chunks, verify steps), and int4 without our kernels: the weight dequantized in
-            # x's dtype, then the float GEMM. torch's int8/int4 CPU kernels take rows one at a time: a 256-row
-            # chunk by SmolLM2's gate/up ran 33x (int8) to 52x (int4) slower than F.linear in float32, 3-4x in
-            # bfloat16; the dequantization (csrc/gemv_quant.cpp's dequant_q on the CPU) costs a pass over the codes
-            # (profiles/RESULTS.md, "Quantized weights").
+            # x's dtype (dequant_q on the CPU: one pass), then the float GEMM. torch's int8/int4 CPU kernels take
+            # rows one at a time: 33-52x slower for a 256-row chunk (profiles/RESULTS.md, "Quantized weights").
             out = torch.nn.functional.linear(x2, self.dequantize(x.dtype))  # [M, N]
         return out.reshape(*lead, self.out_features)
 
@@ -348,9 +342,8 @@ def quantize_model(model: nn.Module, spec: str | Scheme) -> nn.Module:
 
 def _row_amax(model: nn.Module, name: str, weight: torch.Tensor, scheme: Scheme) -> torch.Tensor | None:
     """int8 on a tensor-parallel rank: each row's largest |w| over every rank's slice of a row-parallel weight
-    (o_proj, down_proj split along K), so a rank's scales are the single process's and the shards add up to it
-    (int4 groups are whole within a slice: nothing to share). None elsewhere, and for a shard loaded without its
-    process group (its slices then get scales of their own)."""
+    (o_proj, down_proj), so a rank's scales are the single process's (int4 groups are whole within a slice). None
+    elsewhere, and for a shard loaded without its process group (its slices then get scales of their own)."""
     import torch.distributed as dist
 
     tp = getattr(model, "tp", None)
