@@ -61,6 +61,17 @@ def test_gemv_q_int8_tail_and_float16_row():
     torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_dequant_q_is_the_float64_weight_rounded_once(scheme, dtype):
+    """The chunks' weight (csrc/gemv_quant.cpp's dequant_q): the exact dequantized weight rounded to `dtype`."""
+    s = quant.parse(scheme)
+    torch.manual_seed(4)
+    qw = QuantWeight(torch.randn(24, 384).to(dtype), s)
+    got = torch.ops.static_decode_cpu.dequant_q(qw.qweight, qw.scales, s.group, dtype)
+    assert got.dtype == dtype and torch.equal(got, qw.dequantize(torch.float64).to(dtype))
+
+
 def test_gemv_q_refuses_naming_the_value():
     qw = QuantWeight(torch.randn(16, 128), Scheme(4, 32))
     x = torch.randn(128)

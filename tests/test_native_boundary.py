@@ -124,6 +124,12 @@ def cases() -> dict:
     out["gemv_q: int8 scales for 7 rows of 6"] = (
         gemv_q_call(torch.randn(40), torch.ones(6, 40, dtype=torch.int8), torch.ones(7), 0),
         r"int8 scales must be \[6\], got \[7\]")
+    out["dequant_q: int4 scales of another group"] = (
+        ((lambda: OPS.dequant_q(g32.qweight, g32.scales, 64, torch.float32)), (g32.qweight, g32.scales)),
+        r"int4 scales must be \[6, 2, 2\], got \[6, 4, 2\]")
+    out["dequant_q: float16 out"] = (
+        ((lambda: OPS.dequant_q(g32.qweight, g32.scales, 32, torch.float16)), (g32.qweight, g32.scales)),
+        r"dtype Half \(float32 or bfloat16\)")
     for name, lens, n_new, pattern in (
         ("attention: empty lens", [], [], r"lens must hold 2 int64 values"),
         ("attention: lens shorter than the batch", [3], [1], r"lens must hold 2 int64 values"),

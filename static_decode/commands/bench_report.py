@@ -25,8 +25,12 @@ The JSON document (`--json PATH`):
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import rich.table
 
 from capture.buckets import BucketLadder
 
@@ -143,6 +147,22 @@ def checks(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+
+def _by_context(title: str, names: list[str], contexts: list[int], rows: list[dict],
+                cell: Callable[[dict], str]) -> rich.table.Table:
+    """A table of one cell per context and system from `rows` (dicts with "system" and "context"); blank where a
+    system has no row."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    t.add_column("context", justify="right")
+    for n in names:
+        t.add_column(n, justify="right")
+    for c in contexts:
+        row = {x["system"]: x for x in rows if x["context"] == c}
+        t.add_row(str(c), *(cell(row[n]) if n in row else "" for n in names))
+    return t
+
 def tables(doc: dict[str, Any]) -> list[Any]:
     from rich.table import Table
 
@@ -169,15 +189,8 @@ def tables(doc: dict[str, Any]) -> list[Any]:
         out.append(t)
     rel = doc.get("relative") or {}
     if len(names) > 1 and rel.get("rows"):
-        t = Table(title=f"median over {rel['to']}'s (ms/token | prefill)")
-        t.add_column("context", justify="right")
-        for n in names:
-            t.add_column(n, justify="right")
-        for c in b["contexts"]:
-            row = {x["system"]: x for x in rel["rows"] if x["context"] == c}
-            t.add_row(str(c), *(f"{row[n]['ms_per_token']:.2f}x | {row[n]['prefill_ms']:.2f}x" if n in row else ""
-                                for n in names))
-        out.append(t)
+        out.append(_by_context(f"median over {rel['to']}'s (ms/token | prefill)", names, b["contexts"], rel["rows"],
+                               lambda r: f"{r['ms_per_token']:.2f}x | {r['prefill_ms']:.2f}x"))
     s = Table(title="systems")
     for col in ("system", "setup s", "weights MB", "mode"):
         s.add_column(col)
@@ -187,16 +200,10 @@ def tables(doc: dict[str, Any]) -> list[Any]:
     out.append(s)
     if doc.get("bound"):
         bw = doc["bandwidth"]
-        g = Table(title=f"bytes floor (own weights + live K/V) per ms/token, GB/s (fraction of the read bandwidth, "
-                        f"{bw['read_gbps_before']} / {bw['read_gbps_after']} GB/s before / after)")
-        g.add_column("context", justify="right")
-        for n in names:
-            g.add_column(n, justify="right")
-        for c in b["contexts"]:
-            row = {x["system"]: x for x in doc["bound"] if x["context"] == c}
-            g.add_row(str(c), *(f"{row[n]['gbps']:.1f} ({row[n]['read_fraction']:.2f})" if n in row else ""
-                                for n in names))
-        out.append(g)
+        title = (f"bytes floor (own weights + live K/V) per ms/token, GB/s (fraction of the read bandwidth, "
+                 f"{bw['read_gbps_before']} / {bw['read_gbps_after']} GB/s before / after)")
+        out.append(_by_context(title, names, b["contexts"], doc["bound"],
+                               lambda r: f"{r['gbps']:.1f} ({r['read_fraction']:.2f})"))
     if doc.get("attention"):
         a = Table(title="decode attention alone, Llama-3.1-8B heads (Hq 32, Hkv 8, d 128), vs read bandwidth "
                         f"{doc['attention'][0]['read_bandwidth_gbps']} GB/s")

@@ -97,9 +97,7 @@ template <typename S>
 void products(const S* x, int64_t K, std::initializer_list<Product> mats, static_decode_kernels::QuantRow& row) {
   const Product& head = *mats.begin();
   if (head.q != nullptr) {  // a layer's products are all quantized or none
-    std::vector<float> xf(x, x + K);
-    if constexpr (!std::is_same_v<S, float>)
-      for (int64_t i = 0; i < K; ++i) xf[i] = static_cast<float>(x[i]);
+    const std::vector<float> xf(x, x + K);  // the row in float32 (each value converted on the copy)
     static_decode_kernels::prepare_row(xf.data(), K, head.q->group, static_decode_kernels::int4_bf16_path(*head.q),
                                        row);
   }

@@ -62,6 +62,14 @@ inline float scale_at(const QuantMat& m, int64_t i) {
   return m.bf16_scales ? bf16_to_float(static_cast<const uint16_t*>(m.s)[i]) : static_cast<const float*>(m.s)[i];
 }
 
+// A packed chunk's 32 bytes as its 64 codes in column order (the layout above), as float32.
+inline void unpack_chunk(const uint8_t* q, float* out) {
+  for (int j = 0; j < 32; ++j) {
+    out[j] = static_cast<float>(q[j] & 15);
+    out[j + 32] = static_cast<float>(q[j] >> 4);
+  }
+}
+
 // ---- int8 ---------------------------------------------------------------------------------------------------------
 void int8_rows(const QuantMat& m, const float* x, int64_t K, int64_t n0, int64_t n1, float* y) {
   const auto* Q = static_cast<const int8_t*>(m.q);
@@ -124,10 +132,7 @@ void int4_rows_float(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n
     const uint8_t* w = Q + n * half;
     float total = 0.f, dot = 0.f;
     for (int64_t c = 0; c < K / 64; ++c) {
-      for (int j = 0; j < 32; ++j) {
-        codes[j] = static_cast<float>(w[32 * c + j] & 15);
-        codes[j + 32] = static_cast<float>(w[32 * c + j] >> 4);
-      }
+      unpack_chunk(w + 32 * c, codes);
       for (int64_t part = 0; part < 64; part += std::min<int64_t>(m.group, 64)) {  // the chunk's groups
         const int64_t len = std::min<int64_t>(m.group, 64);
         float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -331,11 +336,7 @@ void dequant_rows(const QuantMat& m, int64_t K, int64_t n0, int64_t n1, T* out) 
       for (int64_t k = 0; k < K; ++k) f[k] = static_cast<float>(q[k]) * s;
     } else {
       const uint8_t* q = static_cast<const uint8_t*>(m.q) + n * K / 2;
-      for (int64_t c = 0; c < K / 64; ++c)
-        for (int j = 0; j < 32; ++j) {
-          f[64 * c + j] = static_cast<float>(q[32 * c + j] & 15);
-          f[64 * c + 32 + j] = static_cast<float>(q[32 * c + j] >> 4);
-        }
+      for (int64_t c = 0; c < K / 64; ++c) unpack_chunk(q + 32 * c, f.data() + 64 * c);
       const int64_t G = K / m.group;
       for (int64_t g = 0; g < G; ++g) {
         const float s = scale_at(m, (n * G + g) * 2), z = scale_at(m, (n * G + g) * 2 + 1);
