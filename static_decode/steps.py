@@ -158,15 +158,19 @@ def emit(bufs: StepBuffers, tokens: torch.Tensor, count: torch.Tensor) -> None:
     n = torch.where(bufs.done, 0, n)
     keep = t[None, :] < n[:, None]  # [B, T]
     pos = bufs.step[:, None] + t[None, :]  # [B, T]
-    bufs.out.scatter_(1, torch.where(keep, pos, N), tokens)
-    bufs.hist.scatter_(1, torch.where(keep, bufs.plen[:, None] + pos, N), tokens)
+    # index_put_ on the whole buffer, not scatter_: inductor reinplaces the one, and turns the other into a copy of
+    # the buffer, the scatter and a copy back (for `seen`, [B, V + 1] bool, ~1 ms a CPU step; cache.py likewise).
+    rows = torch.arange(B, device=tokens.device)[:, None].expand(B, T)  # [B, T]
+    bufs.out.index_put_((rows, torch.where(keep, pos, N)), tokens)
+    bufs.hist.index_put_((rows, torch.where(keep, bufs.plen[:, None] + pos, N)), tokens)
     last = tokens.gather(1, (n - 1).clamp(min=0)[:, None])  # [B, 1]
     bufs.next.copy_(torch.where(n[:, None] > 0, last, bufs.next))  # done rows keep a valid id
     bufs.step.add_(n)
     bufs.live_steps.add_((n > 0).to(torch.int64))
     V = bufs.seen.shape[1] - 1  # a shape: static in a trace
     if V > 0:
-        bufs.seen.scatter_(1, torch.where(keep, tokens, V), True)
+        marked = torch.ones((), dtype=torch.bool, device=tokens.device)
+        bufs.seen.index_put_((rows, torch.where(keep, tokens, V)), marked)
     ended = (is_eos & (t[None, :] < n[:, None])).any(dim=-1) | (bufs.step >= bufs.limit)  # [B]
     bufs.done.copy_(bufs.done | ended)
     count.copy_(n)
