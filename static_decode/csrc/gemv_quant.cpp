@@ -28,6 +28,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -332,27 +333,82 @@ at::Tensor gemv_q_meta(const at::Tensor& x, const at::Tensor& qweight, const at:
 // the values the one-row products multiply by. For chunks of several rows, which multiply through the float GEMM:
 // one pass over the codes, where the same in torch ops (unpack, convert, multiply, add) took several passes and
 // their temporaries, ~0.4 s a 256-token chunk of SmolLM2 int4 on one core.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 float32 values into out[0..16) in T, each rounded once: bfloat16 with AVX512-BF16's conversion (to nearest
+// even, as c10::BFloat16; it reads a denormal float32 as zero, which no product of a code and a normal scale is).
 template <typename T>
-void dequant_rows(const QuantMat& m, int64_t K, int64_t n0, int64_t n1, T* out) {
-  std::vector<float> f(K);  // a row in float32: plain loops the compiler vectorises, then one rounding pass
-  for (int64_t n = n0; n < n1; ++n) {
-    if (m.bits == 8) {
-      const int8_t* q = static_cast<const int8_t*>(m.q) + n * K;
-      const float s = scale_at(m, n);
-      for (int64_t k = 0; k < K; ++k) f[k] = static_cast<float>(q[k]) * s;
-    } else {
-      const uint8_t* q = static_cast<const uint8_t*>(m.q) + n * K / 2;
-      for (int64_t c = 0; c < K / 64; ++c) unpack_chunk(q + 32 * c, f.data() + 64 * c);
-      const int64_t G = K / m.group;
-      for (int64_t g = 0; g < G; ++g) {
+inline void store16(T* out, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(out, v);
+  } else {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+    alignas(64) float f[16];
+    _mm512_store_ps(f, v);
+    at::vec::convert(f, out, 16);
+#endif
+  }
+}
+#endif
+
+// Row n of the weight in T, each value computed in float32 and rounded once: q * s (int8), fma(q - 8, s, z) (int4;
+// exact before the rounding). One pass from the codes to the output: 16 codes a vector widened from bytes; the
+// byte-by-byte unpack into a float32 row and a second rounding pass over it took ~2x as long.
+template <typename T>
+void dequant_row(const QuantMat& m, int64_t n, int64_t K, float* f, T* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (m.bits == 8) {
+    const int8_t* q = static_cast<const int8_t*>(m.q) + n * K;
+    const __m512 s = _mm512_set1_ps(scale_at(m, n));
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
+      store16(out + k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s));
+    }
+    for (; k < K; ++k) out[k] = static_cast<T>(static_cast<float>(q[k]) * scale_at(m, n));
+    return;
+  }
+  const uint8_t* q = static_cast<const uint8_t*>(m.q) + n * K / 2;
+  const int64_t G = K / m.group;
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int64_t c = 0; c < K / 64; ++c) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
+    const __m256i halves[2] = {_mm256_and_si256(w, low), _mm256_and_si256(_mm256_srli_epi16(w, 4), low)};
+    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < 2; ++j) {  // a 16-column run never straddles a group (groups are multiples of 32)
+        const int64_t col = 64 * c + 32 * h + 16 * j, g = col / m.group;
+        const __m128i b = j ? _mm256_extracti128_si256(halves[h], 1) : _mm256_castsi256_si128(halves[h]);
+        const __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), _mm512_set1_ps(8.f));
         const float s = scale_at(m, (n * G + g) * 2), z = scale_at(m, (n * G + g) * 2 + 1);
-        float* p = f.data() + g * m.group;
-        for (int64_t j = 0; j < m.group; ++j) p[j] = (p[j] - 8.f) * s + z;
+        store16(out + col, _mm512_fmadd_ps(v, _mm512_set1_ps(s), _mm512_set1_ps(z)));
       }
     }
-    if constexpr (std::is_same_v<T, float>) std::memcpy(out + n * K, f.data(), K * sizeof(float));
-    else at::vec::convert(f.data(), out + n * K, K);
   }
+#else
+  if (m.bits == 8) {
+    const int8_t* q = static_cast<const int8_t*>(m.q) + n * K;
+    const float s = scale_at(m, n);
+    for (int64_t k = 0; k < K; ++k) f[k] = static_cast<float>(q[k]) * s;
+  } else {
+    const uint8_t* q = static_cast<const uint8_t*>(m.q) + n * K / 2;
+    const int64_t G = K / m.group;
+    for (int64_t c = 0; c < K / 64; ++c) unpack_chunk(q + 32 * c, f + 64 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const float s = scale_at(m, (n * G + g) * 2), z = scale_at(m, (n * G + g) * 2 + 1);
+      float* p = f + g * m.group;
+      for (int64_t j = 0; j < m.group; ++j) p[j] = std::fma(p[j] - 8.f, s, z);
+    }
+  }
+  if constexpr (std::is_same_v<T, float>) std::memcpy(out, f, K * sizeof(float));
+  else at::vec::convert(f, out, K);
+#endif
+}
+
+template <typename T>
+void dequant_rows(const QuantMat& m, int64_t K, int64_t n0, int64_t n1, T* out) {
+  std::vector<float> f(K);  // the portable path's row in float32
+  for (int64_t n = n0; n < n1; ++n) dequant_row<T>(m, n, K, f.data(), out + n * K);
 }
 
 at::Tensor dequant_q(const at::Tensor& qweight, const at::Tensor& scales, int64_t group, at::ScalarType dtype) {
