@@ -5,7 +5,8 @@ when positive, multiplied when negative; unseen ones untouched); penalty 1 chang
 greedy and sampled tokens equal a plain loop over transformers' full-sequence logits that applies that
 reference to the prompt and every token emitted so far; compiled steps give the eager tokens; a conversation's
 later turn penalises the earlier turns' tokens as a single-shot request over the whole history does; bad
-penalties and a penalty with speculation are refused by name before anything runs.
+penalties and a penalty with speculation are refused by name before anything runs; the compiled token record
+marks `seen` in place (no copy of the [B, V + 1] mask in its generated code).
 """
 
 from __future__ import annotations
@@ -144,3 +145,23 @@ def test_a_penalty_with_speculation_is_refused(pair):
         gen.generate(PROMPT, 4, repeat_penalty=1.2)
     plain = Generator(model, max_len=40, eos_token_ids=[]).generate(PROMPT, 4)
     assert gen.generate(PROMPT, 4, repeat_penalty=np.float32(1.0)) == plain  # 1 is off: allowed
+
+
+def test_compiled_token_record_marks_seen_in_place():
+    """`steps.emit` compiled: the [B, V + 1] seen mask is written where the tokens go, never copied. A scatter_
+    there became a copy of the whole mask, the scatter and a copy back (on the CPU a byte at a time, ~1 ms a step
+    at SmolLM2's vocabulary); the generated code then allocates a [1, V + 1] buffer and loops over V + 1."""
+    from torch._inductor.utils import run_and_get_code
+
+    from static_decode import steps
+
+    V = 100_000
+    bufs = steps.StepBuffers.allocate(1, 4, 32, 8, 1, dtype=torch.float32, device=torch.device("cpu"), vocab=V)
+    bufs.seen[0, 3] = True
+    tokens, count = torch.tensor([[7, 9]]), torch.tensor([2])
+    _, codes = run_and_get_code(torch.compile(steps.emit, fullgraph=True), bufs, tokens, count)
+    lines = "\n".join(codes).splitlines()
+    width = str(V + 1)
+    assert not [ln for ln in lines if width in ln and ("for(" in ln or "empty_strided" in ln)], "seen is copied"
+    assert bufs.seen[0].nonzero().flatten().tolist() == [3, 7, 9]
+    assert bufs.out[0, :2].tolist() == [7, 9] and int(bufs.step[0]) == 2
