@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 
 from static_decode import quant_io
 from static_decode.config import LlamaConfig, eos_ids
+from static_decode.hugepages import to_huge_pages
 from static_decode.model import Llama, hf_name, join_projections
 from static_decode.parallel import SINGLE, TensorParallel, shard_dim
 from static_decode.quant import Scheme, parse, quantize_model
@@ -138,7 +139,8 @@ def load_model(
     only its slices are read. `fused_projections`: q/k/v and gate/up joined into one weight each (Llama's
     default; see static_decode.model.join_projections). `quantize` ("int8", "int4", "int4-g64", ...): every
     projection and the LM head weight-only quantized once loaded (static_decode.quant); a checkpoint saved
-    quantized (static_decode.quant_io) loads as it was saved, `quantize` its scheme or None. Raises, naming the key,
+    quantized (static_decode.quant_io) loads as it was saved, `quantize` its scheme or None. CPU weights end on
+    transparent huge pages where Linux offers them (static_decode.hugepages). Raises, naming the key,
     on an unsupported architecture or rope type, a missing, unexpected or mis-shaped tensor, or a tensor-parallel
     world size that does not fit the model.
     """
@@ -151,8 +153,10 @@ def load_model(
     tp.check(config)  # before any tensor is read
     stored = quant_io.stored_quantization(root)  # a checkpoint saved quantized (static_decode.quant_io); None: float
     if stored is not None:
-        return quant_io.load_quantized(root, config, stored, dtype=parse_dtype(dtype), device=device, tp=tp,
-                                       fused_projections=fused_projections, quantize=parse(quantize))
+        model = quant_io.load_quantized(root, config, stored, dtype=parse_dtype(dtype), device=device, tp=tp,
+                                        fused_projections=fused_projections, quantize=parse(quantize))
+        to_huge_pages(model)
+        return model
     files = weight_files(root)
     dtype = parse_dtype(dtype)
     scheme = parse(quantize)  # a bad name refused before any tensor is read
@@ -209,6 +213,7 @@ def load_model(
     model.reset_rope()
     if scheme is not None:  # after slicing: a rank quantizes its own slices (static_decode.quant)
         quantize_model(model, scheme)
+    to_huge_pages(model)  # CPU weights onto transparent huge pages: a decode step streams them
     return model.eval().requires_grad_(False)
 
 

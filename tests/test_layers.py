@@ -21,6 +21,7 @@ PACKAGES = ("static_decode", "capture")
 CORE = {
     f"static_decode.{name}"
     for name in ("attention", "cache", "chat_template", "checks", "config", "cpu_kernel", "exports", "fused_decode",
+                 "hugepages",
                  "loading", "memory", "model", "quant", "quant_cuda", "quant_io",
                  "parallel", "progress", "projection", "ranges", "reference", "rope", "sampling", "speculation",
                  "split_attention", "steps", "stop_strings", "verify")

@@ -1,0 +1,93 @@
+"""Weights on transparent huge pages (static_decode.hugepages): the kernel's mode read from its sysfs text; a
+model's parameters and buffers moved into one mapping advised MADV_HUGEPAGE (the kernel's own smaps says the
+mapping is eligible) with values, shapes and tying unchanged; `load_model` on the CPU does it; small models and
+kernels without THP are left alone.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from static_decode import hugepages
+from static_decode.loading import default_model_path, load_model
+
+THP = sys.platform == "linux" and hugepages.thp_mode() in ("always", "madvise")
+needs_thp = pytest.mark.skipif(not THP, reason="no transparent huge pages (Linux, mode always/madvise) here")
+
+
+def _mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding `address`."""
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+                start, end = (int(v, 16) for v in head.split("-"))
+                if inside:
+                    break
+                inside = start <= address < end
+            elif inside:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    return fields
+
+
+@pytest.mark.parametrize(("text", "mode"), [("always [madvise] never\n", "madvise"),
+                                            ("[always] madvise never\n", "always"),
+                                            ("always madvise [never]\n", "never"), ("", None)])
+def test_thp_mode_reads_the_bracketed_choice(tmp_path, text, mode):
+    p = tmp_path / "enabled"
+    p.write_text(text)
+    assert hugepages.thp_mode(p) == mode
+    assert hugepages.thp_mode(tmp_path / "missing") is None
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4096, 256)  # 4 MB of float32
+        self.head = nn.Linear(256, 4096, bias=False)
+        self.head.weight = self.embed.weight  # tied: one Parameter
+        self.norm = nn.Parameter(torch.randn(256))
+        self.register_buffer("codes", torch.randint(0, 255, (1000, 333), dtype=torch.uint8))  # odd byte count
+
+
+@needs_thp
+def test_to_huge_pages_moves_every_tensor_keeping_values_and_ties():
+    torch.manual_seed(0)
+    m = _Tied().requires_grad_(False)
+    before = {n: t.clone() for n, t in m.state_dict().items()}
+    ids = {n: id(t) for n, t in [*m.named_parameters(), *m.named_buffers()]}
+    moved = hugepages.to_huge_pages(m)
+    assert moved >= 4096 * 256 * 4 + 1000 * 333
+    for n, t in m.state_dict().items():
+        assert torch.equal(t, before[n]), n
+    assert {n: id(t) for n, t in [*m.named_parameters(), *m.named_buffers()]} == ids  # swapped in place
+    assert m.head.weight is m.embed.weight
+    ptrs = [t.data_ptr() for t in (m.embed.weight, m.norm, m.codes)]
+    assert all(p % hugepages.ALIGN == 0 for p in ptrs)
+    assert all(_mapping_of(p).get("THPeligible") == "1" for p in ptrs), _mapping_of(ptrs[0])
+    x = torch.tensor([[1, 4095]])
+    w = before["embed.weight"]
+    assert torch.equal(m.head(m.embed(x)), torch.nn.functional.linear(w[x], w))
+
+
+def test_small_models_are_left_alone():
+    m = nn.Linear(16, 16)
+    ptr = m.weight.data_ptr()
+    assert hugepages.to_huge_pages(m) == 0 and m.weight.data_ptr() == ptr
+
+
+@needs_thp
+def test_load_model_puts_cpu_weights_on_huge_page_memory():
+    """The embedded model (over 2 MB of weights) comes back from `load_model` in an eligible mapping."""
+    model = load_model(default_model_path())
+    w = model.embed_tokens.weight
+    assert _mapping_of(w.data_ptr()).get("THPeligible") == "1"
+    fresh = torch.empty(w.shape, dtype=w.dtype)
+    assert _mapping_of(fresh.data_ptr()).get("THPeligible") != "1" or hugepages.thp_mode() == "always"
