@@ -15,7 +15,7 @@ tensors under 2 MB in all) it does nothing and returns 0.
 
 from __future__ import annotations
 
-import ctypes
+import mmap
 import re
 import sys
 from pathlib import Path
@@ -25,7 +25,6 @@ from torch import nn
 
 HUGE_PAGE = 2 << 20  # the x86-64 / arm64 transparent huge page
 ALIGN = 64  # each tensor's slot starts on a cache line
-MADV_HUGEPAGE = 14  # <sys/mman.h>
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -41,12 +40,6 @@ def thp_mode(path: Path = THP_ENABLED) -> str | None:
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
-
-
-def _madvise_huge(address: int, length: int) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(address, length, MADV_HUGEPAGE) == 0
 
 
 def _movable(model: nn.Module) -> list[torch.Tensor]:
@@ -70,9 +63,16 @@ def to_huge_pages(model: nn.Module, *, min_bytes: int = HUGE_PAGE) -> int:
     total = sum(_round_up(t.nbytes, ALIGN) for t in tensors)
     if total < min_bytes:
         return 0
-    arena = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)  # [bytes]: allocated, not yet touched
+    # A fresh private anonymous mapping (nothing in it touched yet; torch's allocator may hand back heap memory
+    # already faulted in 4 KB pages), one huge page larger than the aligned span it advises. The tensor keeps it
+    # alive (torch.frombuffer holds a reference to it).
+    span = _round_up(total, HUGE_PAGE)
+    region = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: not shmem
+    arena = torch.frombuffer(region, dtype=torch.uint8)  # [bytes]
     start = _round_up(arena.data_ptr(), HUGE_PAGE) - arena.data_ptr()
-    if not _madvise_huge(arena.data_ptr() + start, _round_up(total, HUGE_PAGE)):
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, start, span)
+    except (AttributeError, OSError):  # a Python or kernel without it
         return 0
     offset = start
     with torch.no_grad():
