@@ -147,7 +147,6 @@ def checks(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-
 def _by_context(title: str, names: list[str], contexts: list[int], rows: list[dict],
                 cell: Callable[[dict], str]) -> rich.table.Table:
     """A table of one cell per context and system from `rows` (dicts with "system" and "context"); blank where a
@@ -162,6 +161,7 @@ def _by_context(title: str, names: list[str], contexts: list[int], rows: list[di
         row = {x["system"]: x for x in rows if x["context"] == c}
         t.add_row(str(c), *(cell(row[n]) if n in row else "" for n in names))
     return t
+
 
 def tables(doc: dict[str, Any]) -> list[Any]:
     from rich.table import Table

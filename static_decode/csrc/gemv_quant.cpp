@@ -329,10 +329,6 @@ at::Tensor gemv_q_meta(const at::Tensor& x, const at::Tensor& qweight, const at:
   return at::empty({qweight.size(0)}, x.options());
 }
 
-// The weight [N, K] in `dtype` (float32 or bfloat16): (q - 8) * s + z or q * s computed in float32 and rounded once,
-// the values the one-row products multiply by. For chunks of several rows, which multiply through the float GEMM:
-// one pass over the codes, where the same in torch ops (unpack, convert, multiply, add) took several passes and
-// their temporaries, ~0.4 s a 256-token chunk of SmolLM2 int4 on one core.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // 16 float32 values into out[0..16) in T, each rounded once: bfloat16 with AVX512-BF16's conversion (to nearest
 // even, as c10::BFloat16; it reads a denormal float32 as zero, which no product of a code and a normal scale is).
@@ -411,6 +407,10 @@ void dequant_rows(const QuantMat& m, int64_t K, int64_t n0, int64_t n1, T* out) 
   for (int64_t n = n0; n < n1; ++n) dequant_row<T>(m, n, K, f.data(), out + n * K);
 }
 
+// The weight [N, K] in `dtype` (float32 or bfloat16): (q - 8) * s + z or q * s computed in float32 and rounded once,
+// the values the one-row products multiply by. For chunks of several rows, which multiply through the float GEMM:
+// one pass over the codes, where the same in torch ops (unpack, convert, multiply, add) took several passes and
+// their temporaries, ~0.4 s a 256-token chunk of SmolLM2 int4 on one core.
 at::Tensor dequant_q(const at::Tensor& qweight, const at::Tensor& scales, int64_t group, at::ScalarType dtype) {
   int64_t N = 0, K = 0;
   const QuantMat m = static_decode_kernels::quant_mat(qweight, scales, group, "dequant_q", "the weight", &N, &K);
