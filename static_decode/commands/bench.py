@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler Chrome trace here")
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
                    help="before each timed request wait up to S s for the CPUs to be >= 90%% idle (shared machines)")
+    p.add_argument("--peer-timeout", type=float, default=d.peer_timeout, metavar="S",
+                   help="the longest wait for one answer of a llama.cpp worker process (load, prefill, a request's "
+                   "decode); past it the worker is killed and its row says it hung")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -72,7 +75,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         dtype=args.dtype, kv_dtype=args.kv_dtype, quantize=args.quantize,
         attention_lengths=None if args.no_attention else pick("attention_lengths"),
         transformers_compile=args.transformers_compile, progress=not args.quiet, profile=args.profile,
-        wait_idle=args.wait_idle, gguf=args.gguf,
+        wait_idle=args.wait_idle, gguf=args.gguf, peer_timeout=args.peer_timeout,
     )
 
 

@@ -108,12 +108,17 @@ class BenchConfig:
     tp: TensorParallel = SINGLE  # under torchrun: this rank's place (static_decode.launch)
     # the llama.cpp systems' models: GGUFs of the same weights (gguf_files; a tuple of GGUFFile once made)
     gguf: str | Path | tuple[GGUFFile, ...] | None = None
+    # the longest wait for one answer of a peer's worker process (llama.cpp: the load, a prefill, a request's
+    # decode steps); past it the worker is killed and its row says it hung
+    peer_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         self.quantize = quantize_forms(self.quantize)
         self.gguf = gguf_files(self.gguf)
         for name in ("max_len", "steps", "repeats"):
             check_int(name, getattr(self, name), minimum=1)
+        if not (isinstance(self.peer_timeout, int | float) and self.peer_timeout > 0):
+            raise ValueError(f"peer_timeout must be a number of seconds > 0, got {self.peer_timeout!r}")
         if self.warmup < 0 or (self.threads is not None and self.threads < 1):
             raise ValueError(f"warmup must be >= 0 and threads >= 1, got {self.warmup!r}, {self.threads!r}")
         if not self.contexts or len(set(self.contexts)) != len(self.contexts):
@@ -168,6 +173,7 @@ def command(config: BenchConfig, threads: int) -> str:
         parts.append(f"--attention-lengths {','.join(map(str, config.attention_lengths))}")
     parts += [] if config.transformers_compile else ["--no-transformers-compile"]
     parts += [f"--wait-idle {config.wait_idle:g}"] if config.wait_idle > 0 else []
+    parts += [f"--peer-timeout {config.peer_timeout:g}"] if config.peer_timeout != 600.0 else []
     backend = getattr(config.settings, "backend", "inductor")
     parts += [] if backend == "inductor" else [f"--compile-backend {backend}"]
     return " ".join(parts)

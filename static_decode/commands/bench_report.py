@@ -6,8 +6,10 @@ The JSON document (`--json PATH`):
     model     path, parameters, layers, hidden, heads, kv_heads, head_dim, vocab, dtype
     bench     the reproducing command, max_len, contexts, steps, repeats, warmup, prompt, how it is timed
     systems   [{system, setup_s, mode | skipped, weight_bytes?, weight_bytes_counted?, quantize? | gguf?,
-                file_type?}]: weight_bytes are the bytes of weights one decode step of that system reads
-                (static_decode.commands.bench_lineup says how each kind is counted)
+                file_type?, failed?, stderr_tail?, hint?}]: weight_bytes are the bytes of weights one decode step
+                of that system reads (static_decode.commands.bench_lineup says how each kind is counted); failed:
+                a peer whose worker process crashed or hung ("crashed, SIGSEGV (context 128, timed)"), which then
+                has no rows, with its stderr's last lines and, for an AMX build of llama.cpp, how to rebuild it
     rows      [{system, context, max_len, ms_per_token, prefill_ms, ms_per_token_best, prefill_ms_best,
                 decode_steps, repeats, tokens_match, first_mismatch, compared_with, ms_per_token_samples,
                 read_len?}]
@@ -167,7 +169,8 @@ def tables(doc: dict[str, Any]) -> list[Any]:
     from rich.table import Table
 
     m, b = doc["machine"], doc["bench"]
-    names = [s["system"] for s in doc["systems"] if "mode" in s]
+    failed = {s["system"]: s["failed"] for s in doc["systems"] if "failed" in s}
+    names = [s["system"] for s in doc["systems"] if "mode" in s and s["system"] not in failed]
     title = (f"decode ms/token (median of {b['repeats']} requests x {b['steps']} steps), max_len {b['max_len']}; "
              f"{m['cpu']} ({m['cores']} cores, {m['threads']} threads), torch {m['torch']}")
     ratios = [(n, "static-decode") for n in ("transformers", "full-read") if n in names and "static-decode" in names]
@@ -175,7 +178,7 @@ def tables(doc: dict[str, Any]) -> list[Any]:
     for key, label in (("ms_per_token", title), ("prefill_ms", "prefill ms (median)")):
         t = Table(title=label)
         t.add_column("context", justify="right")
-        for n in names:
+        for n in (*names, *failed):
             t.add_column(n, justify="right")
         if key == "ms_per_token":
             for a, ref in ratios:
@@ -183,6 +186,7 @@ def tables(doc: dict[str, Any]) -> list[Any]:
         for c in b["contexts"]:
             row = {r["system"]: r for r in doc["rows"] if r["context"] == c}
             cells = [f"{row[n][key]:.3f}" + ("" if row[n]["tokens_match"] is not False else " ≠") for n in names]
+            cells += [what.split(" (")[0] for what in failed.values()]  # "crashed, SIGSEGV"
             if key == "ms_per_token":
                 cells += [f"{row[a][key] / row[ref][key]:.2f}x" for a, ref in ratios]
             t.add_row(str(c), *cells)
@@ -196,7 +200,8 @@ def tables(doc: dict[str, Any]) -> list[Any]:
         s.add_column(col)
     for e in doc["systems"]:
         mb = f"{e['weight_bytes'] / 1e6:.1f}" if "weight_bytes" in e else ""
-        s.add_row(e["system"], f"{e['setup_s']:.1f}", mb, e.get("mode") or e.get("skipped", ""))
+        how = f"FAILED: {e['failed']}" if "failed" in e else e.get("mode") or e.get("skipped", "")
+        s.add_row(e["system"], f"{e['setup_s']:.1f}", mb, how)
     out.append(s)
     if doc.get("bound"):
         bw = doc["bandwidth"]

@@ -44,6 +44,7 @@ from static_decode.attention import IMPLS
 from static_decode.commands.args import check_device
 from static_decode.commands.bench_config import PROFILE_STEPS, BenchConfig
 from static_decode.commands.bench_lineup import load_forms, plan, read_gguf, weights
+from static_decode.commands.bench_peer import PeerFailed, amx_hint
 from static_decode.commands.bench_report import bound, checks, relative
 from static_decode.commands.bench_systems import TP_SYSTEMS, System, build, load_profiles_module
 from static_decode.loading import default_model_path, load_tokenizer
@@ -88,24 +89,39 @@ def request(system: System, prompt: list[int], steps: int, timing: Timing | None
 def time_interleaved(
     systems: Sequence[System], prompts: Mapping[int, list[int]], steps: int, *, repeats: int, warmup: int,
     clock=time.perf_counter, tick: Callable[[int], None] = lambda context: None,
-    gate: Callable[[], None] = lambda: None,
+    gate: Callable[[], None] = lambda: None, failed: dict[str, tuple[str, str]] | None = None,
 ) -> dict[int, dict[str, Timing]]:
     """`warmup` untimed then `repeats` timed requests per system and context (`prompts`: context -> prompt), taking
     turns request by request over the contexts and, within each, the systems: a slower phase of a shared machine then
     falls on every context and system alike, so the ratios between contexts compare as well as those between
     systems (taking the contexts one after another, a phase change between them read as a long-context cost).
-    `gate()` runs before each timed request (outside the timing), `tick(context)` after it."""
+    `gate()` runs before each timed request (outside the timing), `tick(context)` after it.
+
+    A peer whose worker fails (PeerFailed: crashed, hung) leaves the run: `failed` gets its name -> (what happened
+    and where, the worker's stderr tail), the timings hold none of its requests, and the other systems go on."""
     timings = {L: {s.name: Timing(steps) for s in systems} for L in prompts}
+    failed = {} if failed is None else failed
+    live = list(systems)
+
+    def attempt(s: System, L: int, phase: str, timing: Timing | None) -> None:
+        try:
+            request(s, prompts[L], steps, timing, clock)
+        except PeerFailed as e:
+            failed[s.name] = (f"{e.what} (context {L}, {phase})", e.detail)
+            live.remove(s)
+            for t in timings.values():
+                t.pop(s.name, None)
+
     with ranges.range(ranges.bench_name("warmup")):
         for _ in range(warmup):
-            for prompt in prompts.values():
-                for s in systems:
-                    request(s, prompt, steps, None, clock)
+            for L in prompts:
+                for s in list(live):
+                    attempt(s, L, "warm-up", None)
     for _ in range(repeats):
-        for L, prompt in prompts.items():
-            for s in systems:
+        for L in prompts:
+            for s in list(live):
                 gate()
-                request(s, prompt, steps, timings[L][s.name], clock)
+                attempt(s, L, "timed", timings[L][s.name])
                 tick(L)
     return timings
 
@@ -238,6 +254,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
         "systems and contexts interleaved request by request",
     }
     systems: list[System] = []
+    failures: dict[str, tuple[str, str, str]] = {}  # peer name -> (what happened and where, stderr tail, build line)
     references: dict[str, str] = {}  # system name -> the system whose tokens its tokens are compared with
     doc["systems"], doc["notes"], rows = [], [], []
     work = len(planned) * (1 + len(config.contexts) * config.repeats) + (config.attention_lengths is not None)
@@ -251,26 +268,47 @@ def run(config: BenchConfig) -> dict[str, Any]:
             elif tp.enabled and p.kind not in TP_SYSTEMS:
                 system, why = None, "skipped: not tensor-parallel (it runs the whole model in one process)"
             else:
-                with ranges.range(ranges.bench_name("setup")):
-                    system, why = build(p.kind, own, path=path, max_len=config.max_len, settings=config.settings,
-                                        transformers_compile=config.transformers_compile,
-                                        gguf=p.gguf.path if p.gguf else None, threads=threads)
+                try:
+                    with ranges.range(ranges.bench_name("setup")):
+                        system, why = build(p.kind, own, path=path, max_len=config.max_len, settings=config.settings,
+                                            transformers_compile=config.transformers_compile,
+                                            gguf=p.gguf.path if p.gguf else None, threads=threads,
+                                            peer_timeout=config.peer_timeout)
+                except PeerFailed as e:
+                    system, why = None, ""
+                    failures[p.name] = (f"{e.what} (setup)", e.detail, e.system_info)
             entry = {"system": p.name, "setup_s": round(time.perf_counter() - t0, 2)}
-            entry |= {"mode": system.mode, **weights(p, system, own)} if system else {"skipped": why}
+            if system is not None:
+                entry |= {"mode": system.mode, **weights(p, system, own)}
+            elif p.name in failures:
+                entry |= weights(p, None, own)
+            else:
+                entry["skipped"] = why
             doc["systems"].append(entry)
             advance(f"{p.name} ready", 1 + (0 if system else len(config.contexts) * config.repeats))
             if system is None:
-                doc["notes"].append(f"{p.name}: {why}")
+                if why:
+                    doc["notes"].append(f"{p.name}: {why}")
             else:
                 system.name = p.name  # "static-decode int8", "llama.cpp Q8_0": the timings are keyed by it
                 systems.append(system)
                 references[p.name] = p.reference
         gate = IdleGate(config.wait_idle)
         before = read_bandwidth(device)
-        by_context = time_interleaved(
-            systems, {L: prompt[:L] for L in config.contexts}, config.steps, repeats=config.repeats,
-            warmup=config.warmup, tick=lambda L: advance(f"context {L}", 1), gate=gate,
-        )
+        failed: dict[str, tuple[str, str]] = {}
+        try:
+            by_context = time_interleaved(
+                systems, {L: prompt[:L] for L in config.contexts}, config.steps, repeats=config.repeats,
+                warmup=config.warmup, tick=lambda L: advance(f"context {L}", 1), gate=gate, failed=failed,
+            )
+        finally:
+            for s in systems:
+                getattr(s, "close", lambda: None)()  # peers' worker processes
+        for s in systems:
+            if s.name in failed:
+                failures[s.name] = (*failed[s.name], getattr(s, "system_info", ""))
+        systems = [s for s in systems if s.name not in failed]
+        _record_failures(doc, failures)
         for L, timings in by_context.items():
             for s in systems:
                 ref = references[s.name]
@@ -296,6 +334,20 @@ def run(config: BenchConfig) -> dict[str, Any]:
     doc["relative"] = relative(doc)
     doc["checks"] = checks(doc)
     return doc
+
+
+def _record_failures(doc: dict[str, Any], failures: dict[str, tuple[str, str, str]]) -> None:
+    """Each failed peer's entry in doc["systems"] gets `failed` (what happened, where), its stderr's tail and the
+    rebuild hint where its build uses AMX; a note says the same in one line."""
+    for entry in doc["systems"]:
+        if entry["system"] not in failures:
+            continue
+        what, detail, info = failures[entry["system"]]
+        hint = amx_hint(info)
+        entry["failed"] = what
+        entry |= {"stderr_tail": detail} if detail else {}
+        entry |= {"hint": hint} if hint else {}
+        doc["notes"].append(f"{entry['system']}: {what}" + (f"; {hint}" if hint else ""))
 
 
 def _row(s: System, t: Timing, context: int, max_len: int, reference: Timing | None) -> dict[str, Any]:

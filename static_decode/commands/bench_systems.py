@@ -26,23 +26,26 @@ EOS never stops a request (every system emits exactly new_tokens), so every requ
   by profiles/smollm2.py with llama.cpp's own convert_hf_to_gguf.py), on the CPU with the bench's threads; one
   system per GGUF with several (static_decode.commands.bench_lineup names them after their quant types). Greedy
   by argmax of the last logits row after each `eval`, not llama.cpp's sampler chain, so nothing but the logits
-  decides a token. Skipped with a note when llama_cpp is not installed or no GGUF is given.
+  decides a token. Each runs in a worker process of its own (static_decode.commands.llama_cpp_worker): a peer
+  that crashes or hangs raises PeerFailed, which the bench reports as that system's row. Skipped with a note
+  when llama_cpp is not installed or no GGUF is given.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from capture.buckets import BucketLadder
 from capture.settings import CaptureOptions
+from static_decode.commands.bench_peer import PeerFailed, PeerProcess, has_amx
 from static_decode.generator import Generator
 from static_decode.model import Llama
 from static_decode.quant_io import stored_quantization
@@ -218,57 +221,55 @@ class TransformersSystem(_LoopSystem):
 
 
 class LlamaCppSystem:
-    """llama.cpp through llama-cpp-python on a GGUF, greedy: argmax of the logits of the last evaluated token.
+    """llama.cpp through llama-cpp-python on a GGUF, greedy: argmax of the logits of the last evaluated token,
+    in a worker process of its own (static_decode.commands.llama_cpp_worker): a crash or a hang of the peer
+    raises PeerFailed, which the bench reports as this system's row.
 
     `Llama.eval` runs llama_decode and keeps no logits when logits_all=False (its sampler reads them from the
     context), so the row is read from the context itself with llama_get_logits_ith(ctx, -1). That leaves out
     llama.cpp's sampler chain (penalties, top-k, temperature): the token is decided by the logits alone, as in
-    every other system, and ties go to the lowest id as with torch.argmax."""
+    every other system, and ties go to the lowest id as with torch.argmax. start and finish are one round trip
+    each over the pipe (tens of microseconds; finish's is shared by all its decode steps)."""
 
     name = "llama.cpp"
+    WORKER = "static_decode.commands.llama_cpp_worker"
 
-    def __init__(self, gguf: Path, max_len: int, threads: int) -> None:
-        import llama_cpp
-
-        self._llama_cpp = llama_cpp
-        # n_ctx = max_len: the same capacity as the other systems' caches. n_gpu_layers=0 keeps every layer on
-        # the CPU whatever backend the wheel was built with; the prompt's batch threads match the decode threads.
-        self.llm = llama_cpp.Llama(
-            model_path=str(gguf), n_ctx=max_len, n_threads=threads, n_threads_batch=threads, n_gpu_layers=0,
-            logits_all=False, verbose=False,
-        )
-        self._vocab = self.llm.n_vocab()
-        file_type = self.llm.metadata.get("general.file_type", "?")
+    def __init__(self, gguf: Path, max_len: int, threads: int, timeout_s: float = 600.0) -> None:
+        root = str(Path(__file__).resolve().parents[2])  # the worker imports this package, installed or not
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
+        self.peer = PeerProcess(self.WORKER, timeout_s, env=env)
+        self.system_info = ""  # llama.cpp's system line: whether its build uses AMX
+        try:
+            info = self.peer.call({"op": "info"})
+            self.system_info = info["system_info"]
+            # n_ctx = max_len: the same capacity as the other systems' caches
+            facts = self.peer.call({"op": "load", "gguf": str(gguf), "n_ctx": max_len, "threads": threads})
+        except PeerFailed as e:
+            raise PeerFailed(f"{e.what} loading {gguf.name}", e.detail, self.system_info) from None
         self.mode = (
-            f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, CPU, {threads} threads, n_ctx "
-            f"{self.llm.n_ctx()}, n_batch {self.llm.n_batch}; {gguf.name} (general.file_type {file_type}; its own "
-            f"dtype, whatever --dtype says); greedy by argmax of the last logits row"
+            f"llama-cpp-python {info['version']}, CPU, {threads} threads, n_ctx {facts['n_ctx']}, n_batch "
+            f"{facts['n_batch']}; {gguf.name} (general.file_type {facts['file_type']}; its own dtype, whatever "
+            f"--dtype says); greedy by argmax of the last logits row; in a worker process"
+            f"{' (its build uses AMX)' if has_amx(self.system_info) else ''}"
         )
-
-    def _eval_argmax(self, tokens: list[int]) -> int:
-        self.llm.eval(tokens)
-        row = self._llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)  # the batch's last (only) output row
-        return int(np.ctypeslib.as_array(row, shape=(self._vocab,)).argmax())
 
     def start(self, prompt: list[int], new_tokens: int) -> None:
-        # reset() sets the position to 0; eval then drops every cached K/V from there on (memory_seq_rm) before
-        # the prompt goes in, so a request never sees the previous one's cache.
-        self.llm.reset()
-        self._left = new_tokens - 1
-        self._first = self._eval_argmax(list(prompt))
+        self._first = self.peer.call({"op": "start", "prompt": list(prompt), "new_tokens": new_tokens})["first"]
 
     def finish(self) -> list[int]:
-        out = [self._first]
-        for _ in range(self._left):
-            out.append(self._eval_argmax([out[-1]]))
-        return out
+        return self.peer.call({"op": "finish"})["tokens"]
+
+    def close(self) -> None:
+        self.peer.close()
 
 
 def build(
     name: str, model: Llama, *, path: Path, max_len: int, settings: Any = None, transformers_compile: bool = True,
-    gguf: Path | None = None, threads: int = 1,
+    gguf: Path | None = None, threads: int = 1, peer_timeout: float = 600.0,
 ) -> tuple[System | None, str]:
-    """The system called `name`, or (None, why it is skipped). `gguf` and `threads`: the llama.cpp system's."""
+    """The system called `name`, or (None, why it is skipped). `gguf`, `threads` and `peer_timeout` (its worker's
+    bounded wait per call): the llama.cpp system's; its PeerFailed goes up to the bench."""
     if name in ("static-decode", "static-decode-lookup", "static-decode-eager", "full-read"):
         return GeneratorSystem(name, model, max_len, settings), ""
     if name == "concat":
@@ -288,5 +289,5 @@ def build(
         if gguf is None:
             return None, ("skipped: no --gguf PATH (a GGUF of the same weights; profiles/smollm2.py --gguf f32 "
                           "writes one with llama.cpp's convert_hf_to_gguf.py)")
-        return LlamaCppSystem(gguf, max_len, threads), ""
+        return LlamaCppSystem(gguf, max_len, threads, peer_timeout), ""
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
