@@ -46,14 +46,14 @@ def decode_speculative(
 ) -> Coroutine[list[list[int]], None, int]:
     """Decode with verify steps (plain steps while the policy pauses speculation); yield each read-back.
 
-    The host does not know how many tokens a verify step accepted until it reads back, so it keeps per row an
-    upper bound of the length (each verify step adds at most K + 1, a plain one 1; never past prompt +
-    max_new_tokens - 1) for the read length, and a lower bound of the emitted tokens (at least 1 per step
-    for a live row) to stop once every row must be finished. A read-back (every `every` steps, at a lower
-    bound reaching max_new_tokens, and at each change between verify and plain steps, so a window's tokens
-    belong to one kind) makes both exact again. With `PromptLookup.skip_unmatched` (the CPU default) the host
-    reads back after every step and keeps each row's text in an `NgramIndex`, launching a plain step when no
-    live row's last n-gram occurred before. Returns the steps launched.
+    The host does not know how many tokens a verify step accepted until it reads back, so it keeps per row an upper
+    bound of the length (each verify step adds at most K + 1, a plain one 1; never past prompt + max_new_tokens - 1)
+    for the read length (a finished row's exact length counts too), and a lower bound of the emitted tokens (at
+    least 1 per step for a live row) to stop once every row must be finished. A read-back (every `every` steps, at a
+    lower bound reaching max_new_tokens, and at each change between verify and plain steps, so a window's tokens
+    belong to one kind) makes both exact again. With `PromptLookup.skip_unmatched` (the CPU default) the host reads
+    back after every step and keeps each row's text in an `NgramIndex`, launching a plain step when no live row's
+    last n-gram occurred before. Returns the steps launched.
     """
     cache, bufs, model, R, max_new = gen.cache, gen.bufs, gen.model, len(req.rows), req.max_new_tokens
     K = gen.speculate.tokens
@@ -84,7 +84,9 @@ def decode_speculative(
         left = ~finished
         steps = 0
         while steps < every and not (emitted[left] + steps >= max_new).all():
-            longest = int(np.minimum(lens + steps * width, cap)[left].max())
+            # every row's length, a finished one's too (exact: it feeds nothing): each formulation reads up to
+            # read_len and the CPU kernel refuses a row longer than that
+            longest = int(np.where(left, np.minimum(lens + steps * width, cap), lens).max())
             read_len = gen.read_len(min(longest + width, gen.max_len))
             with torch.no_grad(), decode_range:
                 if speculating:

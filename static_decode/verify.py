@@ -56,7 +56,7 @@ def lookup_draft(hist: torch.Tensor, hist_len: torch.Tensor, read_len: int, toke
         return last_tok.expand(B, tokens).clone()
     h = hist[:, :read_len]  # [B, S], S = read_len: the bucket bounds the search as it bounds the attention read
     i = torch.arange(ngram, device=dev)  # [n]
-    # Clamped: a row that is done may hold more than the read length (the host bounds only the live rows).
+    # Clamped: a history shorter than the n-gram would index below 0 (the host bounds every length by read_len).
     suffix = h.gather(1, (hist_len[:, None] - ngram + i[None, :]).clamp(min=0, max=read_len - 1))  # [B, n]
     windows = h.unfold(1, ngram, 1)  # [B, S - n + 1, n] a view: each start position's n-gram
     j = torch.arange(windows.shape[1], device=dev)  # [S - n + 1]

@@ -319,8 +319,8 @@ def test_bad_arguments_are_refused(models, tmp_path):
 
 
 def test_a_long_row_done_early_beside_a_short_live_row(models):
-    """The host bounds the read length by the live rows only: a long row that hit EOS may hold more tokens than
-    the read length of the short row's later steps (the lookup must not index past what it reads)."""
+    """A long row that hit EOS beside a short live row: the read length still covers the finished row's length
+    (every formulation reads up to it; the CPU kernel refuses a longer row), and the lookup never indexes past it."""
     target = models[0]
     rows = [[(7 * i) % VOCAB for i in range(60)], [40, 41]]
     eos = plain(target, [rows[0]], 3)[0][0]  # the long row ends at its first token
@@ -328,6 +328,48 @@ def test_a_long_row_done_early_beside_a_short_live_row(models):
     assert len(want[0]) == 1 and len(want[1]) > 10
     gen = Generator(target, max_len=96, chunk_size=8, eos_token_ids=[eos], speculate=PromptLookup(tokens=4, ngram=1))
     assert gen.generate(rows, 20) == want
+
+
+RAGGED = [b"def foo(x):\n    return foo(x)\ndef foo(x):\n", b"import os\nimport os\nimport", b"aaaa aaaa aaaa aaaa"]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from static_decode.loading import default_model_path
+
+    return load_model(default_model_path())
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "no-kernel"])
+@pytest.mark.parametrize("spec", ["lookup", "lookup-skip", "draft"])
+def test_ragged_rows_finishing_at_different_steps_equal_plain_decode(embedded, spec, kernel, monkeypatch):
+    """Rows of different lengths that finish at different steps (by EOS, or at max_new_tokens with read_every 3):
+    the tokens equal plain decode's on the CPU kernel path and off it, with every speculation kind."""
+    from static_decode import cpu_kernel
+
+    if kernel and not cpu_kernel.available():
+        pytest.skip("the CPU kernels are not built here")
+    monkeypatch.setattr(cpu_kernel, "_state", {"ok": kernel})
+    rows = [list(r) for r in RAGGED]
+    make = {"lookup": lambda: PromptLookup(tokens=4, ngram=2, skip_unmatched=False),
+            "lookup-skip": lambda: PromptLookup(tokens=4, ngram=2, skip_unmatched=True),
+            "draft": lambda: DraftModel(embedded, tokens=3)}[spec]
+    for eos, every in (([32], 1), ([32], 3), ([], 3)):
+        want = Generator(embedded, max_len=120, eos_token_ids=eos).generate(rows, 40)
+        gen = Generator(embedded, max_len=120, eos_token_ids=eos, speculate=make(), read_every=every)
+        assert gen.generate(rows, 40) == want, (eos, every)
+        assert (gen.cache.lens.numpy() == gen.cache.host_lens).all()
+    if eos:
+        assert len({len(w) for w in want}) > 1  # the rows did finish at different steps
+
+
+def test_ragged_rows_compiled_equal_plain_decode(embedded):
+    want = Generator(embedded, max_len=120, eos_token_ids=[32]).generate([list(r) for r in RAGGED], 40)
+    opts = CaptureOptions(warm_up="lazy")
+    for spec in (PromptLookup(tokens=4, ngram=2, skip_unmatched=False), DraftModel(embedded, tokens=3)):
+        gen = Generator(embedded, max_len=120, eos_token_ids=[32], speculate=spec, read_every=3, compile=True,
+                        capture=opts)
+        assert gen.generate([list(r) for r in RAGGED], 40) == want
 
 
 @pytest.mark.gpu
