@@ -12,7 +12,9 @@ conversation's: turn 1, reply 1, turn 2, reply 2, ... Row 0 of the cache carries
 
 Refusals come before anything changes: a turn that would not fit (history + turn + max_new_tokens > max_len)
 names the turn and the numbers; a turn after another request reset the cache (a plain `generate`, an abandoned
-turn) raises, since the history it would append to is gone.
+turn) raises, since the history it would append to is gone. Both checks hold when the turn runs (the first
+`next()` of send's iterator), not only when send is called. Prompt lookup searches the whole conversation, so a
+seeded turn draws the same tokens as the same sequence sent to a fresh generator.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Iterator, Sequence
 
 from static_decode.checks import check_int
 from static_decode.generator import Generator
-from static_decode.request import check_request
+from static_decode.request import Request, check_request
 
 
 class Conversation:
@@ -56,7 +58,18 @@ class Conversation:
     ) -> Iterator[int]:
         """Append `ids` (the next turn, already rendered and tokenized) and stream the reply's token ids.
 
-        Checked now, before anything changes; the reply is produced as the returned iterator is consumed."""
+        Checked now, before anything changes, and again when the returned iterator starts the turn: a request
+        run on the generator in between (which resets its cache) or another turn sent meanwhile makes the turn
+        refuse then, before it touches the cache, rather than append to tokens that are not the history."""
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
+                  repeat_penalty=repeat_penalty)
+        self._checked(ids, max_new_tokens, read_every, kw)
+        return self._turn(ids, max_new_tokens, read_every, kw, (self.turns, self._epoch))
+
+    def _checked(
+        self, ids: Sequence[int], max_new_tokens: int, read_every: int | None, kw: dict
+    ) -> tuple[Request, list[int], int]:
+        """The turn's checked request, its fed tokens and read-back period; raises naming what is wrong."""
         gen, turn = self.gen, self.turns + 1
         if self._epoch is not None and self._epoch != gen.epoch:
             raise RuntimeError(
@@ -74,16 +87,23 @@ class Conversation:
                 f"{max_new}{extra} = {need} > max_len={gen.max_len}; nothing was sent"
             )
         req = check_request(
-            feed, max_new, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
-            vocab_size=gen.model.config.vocab_size, max_len=gen.max_len - len(self.history), max_batch=None,
-            draft_slots=drafts, repeat_penalty=repeat_penalty,
+            feed, max_new, **kw, vocab_size=gen.model.config.vocab_size, max_len=gen.max_len - len(self.history),
+            max_batch=None, draft_slots=drafts,
         )
         gen.check_penalty(req)
         every = gen.read_every if read_every is None else check_int("read_every", read_every, minimum=1)
-        pieces = gen._run(req, every, keep_cache=self._epoch is not None)
-        return self._turn(pieces, feed)
+        return req, feed, every
 
-    def _turn(self, pieces: Iterator[list[list[int]]], feed: list[int]) -> Iterator[int]:
+    def _turn(
+        self, ids: Sequence[int], max_new_tokens: int, read_every: int | None, kw: dict, sent: tuple[int, int | None]
+    ) -> Iterator[int]:
+        if (self.turns, self._epoch) != sent:
+            raise RuntimeError(
+                f"turn {sent[0] + 1}: the conversation moved on (turn {self.turns} ran) between send() and this "
+                "turn's first token; nothing was sent: send it again"
+            )
+        req, feed, every = self._checked(ids, max_new_tokens, read_every, kw)  # the cache is still the history
+        pieces = self.gen._run(req, every, keep_cache=self._epoch is not None, history=self.history)
         reply: list[int] = []
         for piece in pieces:
             reply.extend(piece[0])

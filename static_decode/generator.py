@@ -271,9 +271,10 @@ class Generator:
         return pieces if not req.single else (t for piece in pieces for t in piece[0])
 
     # ---- one request on the device ------------------------------------------------------------------------
-    def _prepare(self, req: Request, keep_cache: bool = False) -> None:
+    def _prepare(self, req: Request, keep_cache: bool = False, history: Sequence[int] = ()) -> None:
         """Reset the cache (unless a conversation continues on it) and fill the per-request buffers (allocating,
-        and capturing, on first need)."""
+        and capturing, on first need). `history`: what row 0 of a kept cache holds before the request's row, which
+        prompt lookup searches as it would the same tokens fed in this request."""
         if self.cache is None or len(req.rows) > self.cache.batch:
             self._allocate(len(req.rows))
             keep_cache = False
@@ -290,11 +291,13 @@ class Generator:
         bufs.live_steps.zero_()
         bufs.out.fill_(PAD)
         bufs.limit.fill_(req.max_new_tokens)
-        plen = np.array([len(r) for r in req.rows] + [0] * (B - R), dtype=np.int64)
+        history = list(history) if keep_cache else []
+        searched = [history + req.rows[0], *req.rows[1:]]  # row 0 continues its cached sequence
+        plen = np.array([len(r) for r in searched] + [0] * (B - R), dtype=np.int64)
         bufs.plen.copy_(torch.from_numpy(plen))
         if self.speculate is not None:  # prompt lookup searches the prompt; a draft model reads nothing there
             hist = np.zeros((B, int(plen.max())), dtype=np.int64)
-            for b, row in enumerate(req.rows):
+            for b, row in enumerate(searched):
                 hist[b, : len(row)] = row
             bufs.hist[:, : hist.shape[1]].copy_(torch.from_numpy(hist))
         bufs.next.zero_()
@@ -341,9 +344,12 @@ class Generator:
             cache.commit(n)
             start += C
 
-    def _run(self, req: Request, every: int, keep_cache: bool = False) -> Iterator[list[list[int]]]:
+    def _run(
+        self, req: Request, every: int, keep_cache: bool = False, history: Sequence[int] = ()
+    ) -> Iterator[list[list[int]]]:
         """Run one checked request, yielding each read-back as a list of new tokens per row. keep_cache: append
-        to the rows already cached (a conversation's next turn) instead of starting from an empty cache."""
+        to the rows already cached (a conversation's next turn) instead of starting from an empty cache;
+        `history`: the tokens row 0 then holds (prompt lookup searches them with the new ones)."""
         if self._busy:  # checked before anything changes: the open request keeps its cache and buffers
             raise RuntimeError(
                 "this Generator is still running a stream: finish it (or call its .close()) before the next "
@@ -351,12 +357,14 @@ class Generator:
             )
         self._busy = True
         try:
-            yield from self._run_unlocked(req, every, keep_cache)
+            yield from self._run_unlocked(req, every, keep_cache, history)
         finally:
             self._busy = False
 
-    def _run_unlocked(self, req: Request, every: int, keep_cache: bool) -> Iterator[list[list[int]]]:
-        self._prepare(req, keep_cache)  # may allocate and capture: untimed
+    def _run_unlocked(
+        self, req: Request, every: int, keep_cache: bool, history: Sequence[int]
+    ) -> Iterator[list[list[int]]]:
+        self._prepare(req, keep_cache, history)  # may allocate and capture: untimed
         t0 = time.perf_counter()
         cache, bufs, model, R, max_new = self.cache, self.bufs, self.model, len(req.rows), req.max_new_tokens
         eos = set(self.eos_token_ids) if req.stop_at_eos else set()
@@ -378,7 +386,8 @@ class Generator:
                 t1 = time.perf_counter()
                 yield piece
                 policy = SpeculationPolicy(self.speculate)
-                steps = yield from decode_speculative(self, req, every, policy, finished, emitted, eos)
+                searched = list(history) if keep_cache else []  # what _prepare put before row 0 for the lookup
+                steps = yield from decode_speculative(self, req, every, policy, finished, emitted, eos, searched)
             else:
                 steps = 0
                 longest = int(cache.host_lens.max())  # exact now; an upper bound from here on

@@ -80,7 +80,8 @@ class PrefixCache:
     ) -> tuple[Reuse, Iterator[list[int]]]:
         """Check the request (a ValueError/TypeError naming the bad value; nothing changes), then return how it
         starts and an iterator over its new tokens, one list per read-back. The cache is cut back to the reused
-        prefix when the iterator starts."""
+        prefix when the iterator starts; if another request changed the cache in between, the iterator refuses
+        then (RuntimeError), before it touches anything."""
         gen = self.gen
         prompt = list(prompt) if isinstance(prompt, Sequence) and not isinstance(prompt, str | bytes) else prompt
         check_request(  # the whole prompt, as a fresh request would be checked (bounds, ids, sampling)
@@ -103,10 +104,17 @@ class PrefixCache:
         gen = self.gen
         if gen._busy:  # checked before the cache is touched: the open request keeps its cache
             raise RuntimeError("the generator is still running a stream: finish or close it first")
+        if self.plan(prompt) != reuse:  # another request ran on the generator since stream() planned this one
+            raise RuntimeError(
+                f"the cache changed between stream() and this request's first token (it planned to reuse "
+                f"{reuse.cached} cached tokens, {self.plan(prompt).cached} are there now); nothing was run: call "
+                "stream() again"
+            )
         if reuse.cached:
             self._cut(reuse.cached)
             self._mark_seen(prompt[: reuse.cached])
-        pieces = gen._run(req, every, keep_cache=reuse.cached > 0)
+        # prompt lookup searches the reused prefix too: a seeded request then draws what it would from nothing
+        pieces = gen._run(req, every, keep_cache=reuse.cached > 0, history=prompt[: reuse.cached])
         reply: list[int] = []
         started = complete = False
         try:

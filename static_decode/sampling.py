@@ -96,7 +96,10 @@ def _kept_sorted(
     V = logits.shape[-1]
     logits = logits.to(torch.float32)
     hot = temperature > 0  # [B]
-    scaled = logits / torch.where(hot, temperature, 1.0)[:, None]  # [B, V]
+    # The row's best logit subtracted first: a tiny temperature sends the others to -inf, never past float32's
+    # range to inf - inf = NaN, so T -> 0 gives exactly its limit, the argmax (ties drawn evenly).
+    top = logits.amax(dim=-1, keepdim=True)  # [B, 1]
+    scaled = (logits - top) / torch.where(hot, temperature, 1.0)[:, None]  # [B, V], <= 0
     ordered, order = scaled.sort(dim=-1, descending=True)  # [B, V] each; sorted once per step
     rank = torch.arange(V, device=logits.device)  # [V]
     cut_k = (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])  # [B, V] past the k best

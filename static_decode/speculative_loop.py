@@ -43,6 +43,7 @@ def decode_speculative(
     finished: np.ndarray,
     emitted: np.ndarray,
     eos: set[int],
+    history: list[int] | None = None,
 ) -> Coroutine[list[list[int]], None, int]:
     """Decode with verify steps (plain steps while the policy pauses speculation); yield each read-back.
 
@@ -53,7 +54,8 @@ def decode_speculative(
     lower bound reaching max_new_tokens, and at each change between verify and plain steps, so a window's tokens
     belong to one kind) makes both exact again. With `PromptLookup.skip_unmatched` (the CPU default) the host reads
     back after every step and keeps each row's text in an `NgramIndex`, launching a plain step when no live row's
-    last n-gram occurred before. Returns the steps launched.
+    last n-gram occurred before; row 0's index starts with `history`, the tokens its kept cache already held.
+    Returns the steps launched.
     """
     cache, bufs, model, R, max_new = gen.cache, gen.bufs, gen.model, len(req.rows), req.max_new_tokens
     K = gen.speculate.tokens
@@ -74,7 +76,8 @@ def decode_speculative(
     if skip:  # the host's copy of each row's text: read back after every step (free on the CPU)
         every = 1
         tail = bufs.out[:R, 0].cpu().tolist()  # token 0 of each row (read already: no new sync on the CPU)
-        index = [NgramIndex(spec.ngram, [*row, tail[b]]) for b, row in enumerate(req.rows)]
+        before = [history or [], *([[]] * (R - 1))]
+        index = [NgramIndex(spec.ngram, [*before[b], *row, tail[b]]) for b, row in enumerate(req.rows)]
     while not finished.all():
         speculating = policy.speculate()
         if index is not None and speculating:

@@ -117,3 +117,21 @@ def test_chat_with_speculation_prints_the_same_replies(chatty, capsys, monkeypat
     rc, out, err = _run(capsys, monkeypatch, [*argv, "--speculate", "prompt-lookup:3:2"], "hello\nmore please\n")
     assert rc == 0, err
     assert out == plain_out and "[turn 2: prefilled" in err
+
+
+def test_chat_refuses_a_line_that_is_not_utf8_and_keeps_the_conversation(chatty, capsys, monkeypatch) -> None:
+    argv = ["chat", "--model", str(chatty), "--max-new-tokens", str(NEW), "--max-len", "160", "--chunk-size", "8"]
+    rc, want, _ = _run(capsys, monkeypatch, argv, "hello\nmore please\n")
+    assert rc == 0
+    raw = b"hello\n\xff\xfebad\nmore please\n"
+    for errors in ("strict", "surrogateescape"):  # stdin as the locale would decode it
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8", errors=errors))
+        rc = cli.main(argv)
+        out, err = capsys.readouterr()
+        assert rc == 0 and out == want, err
+        assert "error: the line is not valid UTF-8 (byte 0xff at offset 0); nothing was sent" in err
+        assert "[turn 2: prefilled" in err  # the second message continued the conversation
+    # a text stream holding lone surrogates (no bytes beneath it)
+    rc, out, err = _run(capsys, monkeypatch, argv, "hello\n\udcffbad\nmore please\n")
+    assert rc == 0 and out == want
+    assert "error: the line is not valid UTF-8 (character 0xdcff at 0); nothing was sent" in err

@@ -99,3 +99,30 @@ def test_bad_turns_are_refused_before_anything_runs(model) -> None:
     assert conv.turns == 0 and gen.cache is None
     with pytest.raises(TypeError, match="Generator"):
         Conversation("not a generator")
+
+
+def test_a_turn_checks_the_cache_when_it_runs_not_only_when_sent(model) -> None:
+    """send() returns an iterator; a request on the same generator before its first next() resets the cache, so
+    the turn must refuse then (before anything runs), not append to the other request's tokens."""
+    gen = Generator(model, max_len=MAX_LEN, chunk_size=CHUNK, eos_token_ids=[])
+    conv = Conversation(gen)
+    first = list(conv.send(TURNS[0], 6))
+    turn = conv.send(TURNS[1], 6)  # checked now: the history is cached
+    other = gen.generate([1, 2, 3], 4)  # resets the cache
+    with pytest.raises(RuntimeError, match="another request reset this generator's cache since turn 1"):
+        next(turn)
+    assert conv.tokens == TURNS[0] + first and conv.turns == 1  # the conversation believes nothing new
+    assert gen.generate([1, 2, 3], 4) == other  # and the generator is free
+    with pytest.raises(RuntimeError, match="another request reset"):
+        conv.send(TURNS[1], 6)
+
+
+def test_two_turns_sent_before_either_runs_the_second_refuses(model) -> None:
+    conv = Conversation(Generator(model, max_len=MAX_LEN, chunk_size=CHUNK, eos_token_ids=[]))
+    a, b = conv.send(TURNS[0], 4), conv.send(TURNS[1], 4)
+    reply = list(a)
+    with pytest.raises(RuntimeError, match=r"turn 1: the conversation moved on \(turn 1 ran\)"):
+        next(b)
+    assert conv.tokens == TURNS[0] + reply and conv.turns == 1
+    fresh = Generator(model, max_len=MAX_LEN, chunk_size=CHUNK, eos_token_ids=[])
+    assert list(conv.send(TURNS[1], 4)) == fresh.generate(TURNS[0] + reply + TURNS[1], 4)

@@ -105,3 +105,18 @@ def test_repeat_penalty_marks_exactly_the_prompt(model):
         reuse, pieces = pc.stream(prompt, 20, repeat_penalty=1.5)
         assert reuse.cached > 0
         assert [t for p in pieces for t in p] == ref.generate(prompt, 20, repeat_penalty=1.5)
+
+
+def test_a_stream_checks_the_cache_when_it_runs(model, fresh):
+    """stream() plans the reuse; a request on the generator before the first next() resets the cache, so the
+    iterator refuses then, before it cuts anything, rather than reuse another request's K/V."""
+    gen = Generator(model, max_len=MAX_LEN)
+    pc = PrefixCache(gen)
+    prompt = list(b"def add(a, b):\n    return a + b\n")
+    run(pc, prompt, 8)
+    reuse, pieces = pc.stream(prompt + list(b"def sub"), 8)
+    assert reuse.cached == len(prompt)
+    gen.generate(list(b"import os"), 4)  # resets the cache under the planned request
+    with pytest.raises(RuntimeError, match=f"planned to reuse {len(prompt)} cached tokens, 0 are there now"):
+        next(pieces)
+    assert run(pc, prompt + list(b"def sub"), 8) == (0, fresh(prompt + list(b"def sub"), 8))

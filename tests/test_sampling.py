@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from static_decode import Generator, load_model
-from static_decode.sampling import MASK32, _mul32, mix32, mix32_host, row_seed, sample, uniform
+from static_decode.sampling import MASK32, _mul32, mix32, mix32_host, probabilities, row_seed, sample, uniform
 from tests.checkpoints import hf_llama, save
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -202,3 +202,26 @@ def test_stream_draws_what_generate_draws(model):
     gen = Generator(model, max_len=64, eos_token_ids=[])
     expected = gen.generate(PROMPT, 20, temperature=0.9, top_k=20, seed=77)
     assert list(gen.stream(PROMPT, 20, temperature=0.9, top_k=20, seed=77, read_every=3)) == expected
+
+
+def test_a_tiny_temperature_is_its_limit_the_argmax():
+    """Down to float32's smallest normal temperature the draw is the argmax (logits / T would overflow to inf and
+    the draw would be arbitrary); a tie is split between the tied tokens only."""
+    from static_decode.request import TINIEST_TEMPERATURE
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 96, generator=g) * 20  # [B, V]
+    best = logits.argmax(dim=-1)
+    for t in (TINIEST_TEMPERATURE, 1.2e-38, 1e-30, 1e-12):
+        temp = torch.full((64,), t)
+        for step in range(4):
+            picked = sample(logits, temp, torch.zeros(64, dtype=torch.int64), torch.ones(64), torch.arange(64),
+                            torch.tensor(step))
+            assert torch.equal(picked, best), t
+        p = probabilities(logits, temp, torch.zeros(64, dtype=torch.int64), torch.ones(64))
+        assert not p.isnan().any() and torch.equal(p.argmax(dim=-1), best) and (p.max(dim=-1).values == 1).all()
+    tied = torch.zeros(1, 8)
+    tied[0, 2] = tied[0, 5] = 3.0
+    draws = {int(sample(tied, torch.tensor([1e-38]), torch.zeros(1, dtype=torch.int64), torch.ones(1),
+                        torch.tensor([s]), torch.tensor(0))) for s in range(40)}
+    assert draws == {2, 5}

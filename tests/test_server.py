@@ -389,3 +389,69 @@ def test_sigint_stops_within_a_second(plain_server, long_prompt):
 
 def test_sigterm_stops_within_a_second(server, long_prompt):
     _shutdown(server, signal.SIGTERM, long_prompt)
+
+
+def test_a_lone_surrogate_or_a_failing_template_gets_an_openai_error(server, ref):
+    """JSON allows "\\ud800"; the tokenizer does not: 400 naming the field, OpenAI's body, the server unharmed."""
+    cases = [("/v1/completions", b'{"prompt": "def \\ud800", "max_tokens": 2}', "prompt"),
+             ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\udfff"}], "max_tokens": 2}',
+              "messages")]
+    for path, raw, param in cases:
+        r = _post(server, path, raw)
+        assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "lone surrogate" in err["message"], err
+    ok = _post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == ref.text(ref.ids(PROMPTS[0]), 4)[0]
+
+
+UNHONOURED = [  # (field, a value that changes the output, the endpoints that take it)
+    ("logprobs", 2, "completions"), ("logprobs", True, "chat"), ("top_logprobs", 3, "chat"),
+    ("echo", True, "completions"),
+    ("response_format", {"type": "json_object"}, "both"), ("logit_bias", {"5": 100}, "both"),
+    ("presence_penalty", 0.5, "both"), ("frequency_penalty", -0.5, "both"), ("min_p", 0.05, "both"),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], "chat"),
+    ("grammar", "root ::= \"a\"", "both"), ("best_of", 3, "completions"), ("typical_p", 0.5, "both"),
+    ("guided_json", {"type": "object"}, "both"), ("tool_choice", "required", "chat"),
+]
+
+
+def test_fields_the_server_does_not_honour_are_refused_not_dropped(server):
+    bodies = {"completions": {"prompt": "def ", "max_tokens": 2},
+              "chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
+    for field, value, where in UNHONOURED:
+        for kind in (("completions", "chat") if where == "both" else (where,)):
+            path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+            r = _post(server, path, {**bodies[kind], field: value})
+            assert r.status_code == 400, (field, r.text)
+            err = r.json()["error"]
+            assert err["param"] == field and f"{field} is not supported" in err["message"], err
+    # their neutral values change nothing and are accepted
+    neutral = {"logprobs": None, "echo": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+               "response_format": {"type": "text"}, "min_p": 0, "tools": [], "top_logprobs": 0}
+    for kind, body in bodies.items():
+        path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+        r = _post(server, path, {**body, **neutral})
+        assert r.status_code == 200, r.text
+    c = client(server)
+    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
+        c.chat.completions.create(model=c.models.list().data[0].id, messages=[{"role": "user", "content": "hi"}],
+                                  max_tokens=2, logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="response_format is not supported"):
+        c.completions.create(model=c.models.list().data[0].id, prompt="x", max_tokens=2,
+                             extra_body={"response_format": {"type": "json_object"}})
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--temperature", "-1"], "--temperature -1.0: temperature must be 0"),
+    (["--top-p", "0"], "--top-p 0.0: top_p must be in (0, 1]"),
+    (["--repeat-penalty", "0"], "--repeat-penalty 0.0: repeat_penalty must be"),
+    (["--repeat-penalty", "1.3", "--speculate", "prompt-lookup"],
+     "--repeat-penalty 1.3 is not supported with --speculate"),
+])
+def test_serve_refuses_bad_defaults_at_startup(flags, words):
+    proc = subprocess.run([sys.executable, "-m", "static_decode", "serve", "--port", "0", *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"static-decode serve: error: {words}"), proc.stderr

@@ -412,3 +412,37 @@ def test_warm_up_of_every_speculative_kind_leaves_no_trace(models):
             assert not gen.draft_cache.lens.any()
         assert not gen.cache.lens.any() and not gen.bufs.step.any() and not gen.bufs.done.any()
         assert gen.generate(PROMPTS, 20) == want
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["device-lookup", "skip-unmatched"])
+def test_seeded_lookup_draws_the_same_whatever_prefix_was_cached(embedded, skip):
+    """Prompt lookup searches the whole sequence, the reused prefix too: a seeded request through PrefixCache, or a
+    conversation's turn, draws exactly what the same tokens sent to a fresh generator draw (the drafts, hence the
+    draws and the steps, depend on what the lookup searched)."""
+    from static_decode.prefix_cache import PrefixCache
+
+    spec = PromptLookup(tokens=4, ngram=2, min_tokens_per_step=0, skip_unmatched=skip)
+    prompt = list(b"def foo(x):\n    return foo(x) + 1\n\n\ndef foo(x):\n    ret")
+    kw = dict(temperature=0.7, seed=11)
+
+    def new():
+        return Generator(embedded, max_len=160, eos_token_ids=[], speculate=spec)
+
+    fresh = new()
+    want = fresh.generate(prompt, 24, **kw)
+    steps = (fresh.stats.decode_steps, fresh.stats.verify_steps)
+    for cached in (3, 30, len(prompt) - 1):
+        pc = PrefixCache(new())
+        _, first = pc.stream(prompt[:cached], 1)
+        list(first)
+        reuse, pieces = pc.stream(prompt, 24, **kw)
+        assert reuse.cached == cached
+        assert ([t for p in pieces for t in p], pc.gen.stats.decode_steps, pc.gen.stats.verify_steps) == (
+            want, *steps), cached
+    conv = Conversation(new())
+    reply = list(conv.send(prompt[:30], 5))
+    turn = prompt[30:]
+    fresh = new()
+    assert list(conv.send(turn, 24, **kw)) == fresh.generate(prompt[:30] + reply + turn, 24, **kw)
+    assert (conv.gen.stats.decode_steps, conv.gen.stats.verify_steps) == (
+        fresh.stats.decode_steps, fresh.stats.verify_steps)

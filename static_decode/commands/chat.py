@@ -97,6 +97,26 @@ class ChatSession:
                           {"role": "assistant", "content": self.tokenizer.decode(reply, skip_special_tokens=True)}]
 
 
+def read_line(stream: Any) -> tuple[str, str]:
+    """The next line of `stream` ("" at its end) and why it cannot be a message ("": it can). The bytes are decoded
+    here, strictly, so a line that is not UTF-8 is refused alone, whatever the locale's stdin errors handler."""
+    raw = getattr(stream, "buffer", None)
+    if raw is None:
+        line = stream.readline()
+    else:
+        data = raw.readline()
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return data.decode("utf-8", "replace"), (f"the line is not valid UTF-8 (byte {data[e.start]:#04x} at "
+                                                     f"offset {e.start}); nothing was sent")
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as e:  # lone surrogates (a stream decoded with surrogateescape)
+        return line, f"the line is not valid UTF-8 (character {ord(line[e.start]):#06x} at {e.start}); nothing was sent"
+    return line, ""
+
+
 def run_chat(args: argparse.Namespace) -> int:
     """The chat loop. Under torchrun every rank runs it over its shard; rank 0 reads stdin and shares each line."""
     from static_decode.parallel import SINGLE
@@ -131,9 +151,12 @@ def run_chat(args: argparse.Namespace) -> int:
     while True:
         if interactive:
             print("> ", end="", file=sys.stderr, flush=True)
-        line = tp.from_rank0(sys.stdin.readline() if tp.rank == 0 else None)  # every rank takes the same turn
+        line, bad = tp.from_rank0(read_line(sys.stdin) if tp.rank == 0 else None)  # every rank takes the same turn
         if not line:  # end of input (Ctrl-D)
             return 0
+        if bad:  # refused, the conversation kept
+            print(f"static-decode chat: error: {bad}", file=sys.stderr)
+            continue
         text = line.rstrip("\n")
         if text.strip() == "/reset":
             session.reset()

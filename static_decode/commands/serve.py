@@ -36,6 +36,7 @@ from static_decode.commands.args import (
 )
 from static_decode.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
 from static_decode.loading import default_model_path, load_model, load_tokenizer
+from static_decode.request import check_request
 
 DEFAULT_MAX_LEN = 4096  # cache positions per request (capped by the model's own limit)
 DEFAULT_QUEUE = 16  # requests that may wait behind the running one
@@ -48,6 +49,18 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    # the defaults a request may rely on, checked as the generator checks a request's own values (now, not at
+    # every request that leaves them out)
+    flags = {"temperature": args.temperature, "top_k": args.top_k or None, "top_p": args.top_p, "seed": args.seed,
+             "repeat_penalty": args.repeat_penalty}
+    for name, value in flags.items():
+        try:
+            check_request([0], 1, **{name: value}, vocab_size=1, max_len=2)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: {e}") from None
+    speculating = getattr(args, "speculate", None) is not None or getattr(args, "draft_model", None) is not None
+    if speculating and args.repeat_penalty not in (None, 1.0):
+        raise ValueError(f"--repeat-penalty {args.repeat_penalty} is not supported with --speculate")
 
 
 def build(args: argparse.Namespace):  # -> tuple[Served, Generator]
@@ -159,7 +172,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--read-every", type=int, default=DEFAULT_READ_EVERY,
                    help="decode steps per read-back (how often text is sent and a disconnect is noticed)")
     p.add_argument("--temperature", type=float, default=0.0, help="default when a request gives none; 0 = greedy")
-    p.add_argument("--top-k", type=int, default=None, help="default top_k")
+    p.add_argument("--top-k", type=int, default=None, help="default top_k (0 = off)")
     p.add_argument("--top-p", type=float, default=None, help="default top_p")
     p.add_argument("--seed", type=int, default=None, help="default sampling seed")
     p.add_argument("--repeat-penalty", type=float, default=None, help="default repeat_penalty (1 = off)")

@@ -80,6 +80,62 @@ def _bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+# Fields peers' clients send that change the output, which this server does not honour: a request that sets one to
+# anything but its neutral value is refused (400 naming it), never answered as if it were not there. field -> the
+# values that leave the output as it is.
+UNHONOURED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "min_p": (None, 0, 0.0),
+    "typical_p": (None, 1, 1.0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "grammar": (None, ""),  # llama.cpp's
+    "json_schema": (None, {}),  # llama.cpp's
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),  # vLLM's
+}
+
+
+def _unhonoured(body: dict[str, Any]) -> None:
+    """400 for the first field in UNHONOURED set to a value other than its neutral ones."""
+    for name, neutral in UNHONOURED.items():
+        v = body.get(name)
+        if not any(v == n and type(v) is type(n) or (v is None and n is None) for n in neutral):
+            shown = json.dumps(v)[:80] if _jsonable(v) else repr(v)[:80]
+            allowed = " or ".join("null" if n is None else json.dumps(n) for n in neutral)
+            raise _bad(f"{name} is not supported by this server (got {shown}); leave it out or set it to {allowed}",
+                       name)
+
+
+def _jsonable(v: Any) -> bool:
+    try:
+        json.dumps(v)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _encode(ctx: Context, text: str, param: str, **kw: Any) -> list[int]:
+    """The tokenizer's ids of `text`, or a 400 naming `param` (a lone surrogate, say, which JSON allows)."""
+    try:
+        text.encode("utf-8")
+        return ctx.tokenizer.encode(text, **kw).ids
+    except UnicodeEncodeError as e:
+        raise _bad(f"{param} is not valid Unicode text: a lone surrogate {ord(text[e.start]):#06x} at character "
+                   f"{e.start}", param) from e
+    except Exception as e:  # noqa: BLE001 - whatever the tokenizer refuses is the request's fault
+        raise _bad(f"{param} cannot be tokenized: {type(e).__name__}: {e}", param) from e
+
+
 def _number(body: dict[str, Any], name: str, default: float | None, lo: float, hi: float) -> float | None:
     v = body.get(name)
     if v is None:
@@ -147,12 +203,14 @@ def _prompt_ids(body: dict[str, Any], ctx: Context, chat: bool) -> list[int]:
             text = ctx.template.render(checked, add_generation_prompt=True)
         except ValueError as e:  # the template refused (raise_exception), or does not parse
             raise _bad(str(e), "messages") from e
-        return ctx.tokenizer.encode(text, add_special_tokens=False).ids  # a template writes its own BOS
+        except Exception as e:  # noqa: BLE001 - a template failing on these messages (jinja2's errors, a bad op)
+            raise _bad(f"the chat template failed on these messages: {type(e).__name__}: {e}", "messages") from e
+        return _encode(ctx, text, "messages", add_special_tokens=False)  # a template writes its own BOS
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        return ctx.tokenizer.encode(prompt).ids
+        return _encode(ctx, prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < ctx.vocab_size for t in prompt):
             raise _bad(f"prompt token ids must be in 0..{ctx.vocab_size - 1}, got {prompt!r}", "prompt")
@@ -170,6 +228,7 @@ def parse(raw: bytes, ctx: Context, *, chat: bool) -> Completion:
     if model is not None and model != ctx.model_name:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {ctx.model_name!r}",
                        param="model", code="model_not_found")
+    _unhonoured(body)
     n = _int(body, "n", 1, 1)
     if n != 1:
         raise _bad(f"n must be 1 (this server decodes one stream per request), got {n}", "n")

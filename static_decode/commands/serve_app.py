@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +25,8 @@ from starlette.routing import Route
 
 from static_decode.commands.serve_api import APIError, Completion, Context, parse
 from static_decode.commands.serve_worker import Job, Usage, Worker
+
+log = logging.getLogger("static_decode.serve")
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,10 @@ async def _complete(request: Request, chat: bool) -> Response:
         served.worker.submit(job)
     except APIError as e:
         return error_response(e)
+    except Exception as e:  # noqa: BLE001 - a failure while reading the request still gets OpenAI's error body
+        log.exception("reading a request failed")
+        return error_response(APIError(500, f"the request could not be read: {type(e).__name__}: {e}",
+                                       type="server_error"))
     reply = _Reply(served, chat)
     if req.stream:
         return StreamingResponse(_stream(reply, job, req.include_usage), media_type="text/event-stream",
@@ -167,6 +174,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(APIError(exc.status_code, message, code=kind, headers=dict(exc.headers or {})))
 
 
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """Anything else that fails in a handler: OpenAI's error body, not a bare text 500."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(APIError(500, f"{request.method} {request.url.path} failed: {type(exc).__name__}: {exc}",
+                                   type="server_error"))
+
+
 def build_app(served: Served) -> Starlette:
     """The app over `served` (its worker already running)."""
     app = Starlette(
@@ -176,7 +190,7 @@ def build_app(served: Served) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
         ],
-        exception_handlers={HTTPException: _http_error},
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
     app.state.served = served
     return app
