@@ -31,7 +31,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from static_decode.checks import check_int
+from static_decode.checks import check_int, is_number
 
 DEFAULT_ALIGN = 256  # rung granularity: a multiple of the attention tile sizes, small next to real contexts
 DEFAULT_GROWTH = 1.5  # worst-case read is < 1.5x the live length + align; ~16 rungs at 128k
@@ -78,7 +78,7 @@ class BucketLadder:
         """Rungs align, ceil(growth * prev / align) * align, ..., max_len (the bound: module docstring)."""
         max_len = check_int("max_len", max_len, minimum=1)
         align = check_int("align", align, minimum=1)
-        if isinstance(growth, bool) or not isinstance(growth, int | float) or not math.isfinite(growth):
+        if not is_number(growth) or not math.isfinite(growth):
             raise TypeError(f"growth must be a finite number, got {growth!r}")
         if growth <= 1.0:
             raise ValueError(f"growth must be > 1 (each rung longer than the last), got {growth}")

@@ -1,4 +1,5 @@
-"""Argument checks shared by every layer: one wording for a bad int, naming the argument and the value."""
+"""Argument checks shared by every layer: one wording for a bad int, naming the argument and the value; numpy
+scalars are taken wherever a Python number is."""
 
 from __future__ import annotations
 
@@ -12,3 +13,8 @@ def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
     return int(value)
+
+
+def is_number(value: object) -> bool:
+    """Whether `value` is a real number: a Python or numpy int or float, not a bool (nor numpy's)."""
+    return not isinstance(value, bool | np.bool_) and isinstance(value, int | float | np.integer | np.floating)

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from static_decode.checks import check_int
+from static_decode.checks import check_int, is_number
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # transformers' layer kinds (Qwen2/Qwen3 `layer_types`): which layers attend through a sliding window.
@@ -41,8 +41,7 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 
 def _check_positive_float(name: str, value: Any) -> None:
     if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
+        not is_number(value)
         or not math.isfinite(value)
         or value <= 0
     ):

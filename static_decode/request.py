@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from static_decode.checks import check_int
+from static_decode.checks import check_int, is_number
 
 # The sampling buffer holds float32: a smaller positive temperature would round to 0 there and silently run greedy.
 TINIEST_TEMPERATURE = float(np.finfo(np.float32).tiny)
@@ -79,7 +79,7 @@ def check_request(
             )
     if max_batch is not None and len(rows) > max_batch:
         raise ValueError(f"the request has {len(rows)} rows, this generator was built for batch={max_batch}")
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.floating) or not (
+    if not is_number(temperature) or not (
         temperature == 0 or TINIEST_TEMPERATURE <= temperature < 1e30
     ):
         raise ValueError(
@@ -87,14 +87,13 @@ def check_request(
         )
     if top_k is not None:  # past the vocabulary it keeps every token: clamped, so any size fits the int64 buffer
         top_k = min(check_int("top_k", top_k, minimum=1), vocab_size)
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1):
+    if top_p is not None and (not is_number(top_p) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if seed is not None:
         check_int("seed", seed, minimum=0)
     if repeat_penalty is None:
         repeat_penalty = 1.0
-    elif (isinstance(repeat_penalty, bool) or not isinstance(repeat_penalty, int | float | np.floating)
-          or not 0 < repeat_penalty < 1e30):
+    elif not is_number(repeat_penalty) or not 0 < repeat_penalty < 1e30:
         raise ValueError(f"repeat_penalty must be a finite number > 0 (1 = off), got {repeat_penalty!r}")
     return Request(
         rows=[[int(t) for t in r] for r in rows], single=single, max_new_tokens=max_new,

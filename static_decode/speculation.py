@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from static_decode.checks import check_int
+from static_decode.checks import check_int, is_number
 from static_decode.model import Llama
 
 DEFAULT_TOKENS = 4  # draft tokens per verify step
@@ -33,7 +33,7 @@ DEFAULT_PAUSE_STEPS = 32  # plain steps before speculation is tried again
 def _check_policy(tokens: object, min_tokens_per_step: object, pause_steps: object) -> None:
     check_int("tokens", tokens, minimum=1)
     check_int("pause_steps", pause_steps, minimum=1)
-    if isinstance(min_tokens_per_step, bool) or not isinstance(min_tokens_per_step, int | float):
+    if not is_number(min_tokens_per_step):
         raise TypeError(f"min_tokens_per_step must be a number, got {type(min_tokens_per_step).__name__}")
     if not 0 <= min_tokens_per_step <= tokens + 1:
         raise ValueError(

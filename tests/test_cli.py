@@ -459,3 +459,57 @@ def test_per_token_time_leaves_out_the_steps_after_eos(plain):
     tokens = len(gen.generate(PROMPT_IDS, 12))
     assert gen.stats.live_steps == tokens - 1 < gen.stats.decode_steps  # steps ran on until the read-back
     assert gen.stats.ms_per_token == pytest.approx(gen.stats.ms_per_step)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "--prompt-ids", "1,2,x"], "argument --prompt-ids: expected comma-separated ints, got '1,2,x'"),
+    (["generate", "--threads", "0"], "argument -t/--threads: expected an int >= 1, got 0"),
+    (["generate", "--quantize", "int3"], "argument --quantize: invalid choice: 'int3'"),
+    (["bench", "--contexts", "a"], "argument --contexts:"),
+    (["nonsense"], "argument COMMAND: invalid choice: 'nonsense'"),
+])
+def test_an_argument_error_is_one_line_and_the_help_hint(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    assert exit.value.code == 2 and out == ""
+    prog = "static-decode" if argv[0] == "nonsense" else f"static-decode {argv[0]}"
+    assert err.startswith(f"{prog}: error: {message}") and err.endswith(f" (see {prog} --help)\n"), err
+    assert err.count("\n") == 1 and "usage:" not in err
+
+
+@pytest.mark.parametrize("where", ["missing-dir", "directory", "read-only"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(plain, tmp_path, capsys, where):
+    target = {"missing-dir": tmp_path / "nope" / "t.json", "directory": tmp_path,
+              "read-only": Path("/proc/self/static-decode-trace.json")}[where]
+    rc, out, err = run(capsys, "generate", "--model", str(plain), "--prompt-ids", "1,2", "--max-new-tokens", "2",
+                       "--profile", str(target))
+    assert rc == 2 and out == "" and err.startswith(f"static-decode generate: error: --profile {target}: "), err
+    assert err.count("\n") == 1
+    rc, out, err = run(capsys, "bench", "--json", str(target), "--quick", "--no-attention")
+    assert rc == 2 and err.startswith(f"static-decode bench: error: --json {target}: ") and out == ""
+
+
+def test_a_profile_is_written_where_asked(plain, tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    rc, _, err = run(capsys, "generate", "--model", str(plain), "--prompt-ids", "1,2", "--max-new-tokens", "3",
+                     "--profile", str(trace))
+    assert rc == 0 and f"torch.profiler Chrome trace: {trace}" in err
+    assert trace.stat().st_size > 0 and "traceEvents" in trace.read_text()
+
+
+def test_numpy_scalars_are_taken_wherever_a_python_number_is(plain):
+    import numpy as np
+
+    gen = Generator(load_model(plain), max_len=32)
+    kw = dict(temperature=0.7, top_k=5, top_p=0.5, seed=3, repeat_penalty=1.2)
+    as_numpy = dict(temperature=np.float32(0.7), top_k=np.int64(5), top_p=np.float32(0.5), seed=np.uint8(3),
+                    repeat_penalty=np.float16(1.2))
+    want = gen.generate([1, 2, 3], 6, **kw)
+    # float32 0.7 and 0.5 round differently from the Python floats: compare with the same values as floats
+    same = {k: (v if k in ("top_k", "seed") else float(v)) for k, v in as_numpy.items()}
+    assert gen.generate([1, 2, 3], 6, **as_numpy) == gen.generate([1, 2, 3], 6, **same)
+    assert len(want) == 6
+    for name, bad in (("top_p", np.bool_(True)), ("temperature", np.bool_(True)), ("repeat_penalty", np.bool_(1))):
+        with pytest.raises(ValueError, match=name):
+            gen.generate([1, 2, 3], 2, **{name: bad})

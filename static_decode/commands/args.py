@@ -84,6 +84,29 @@ def check_checkpoint(path: Path, what: str = "--model") -> Path:
     return path
 
 
+def check_output(flag: str, path: Path | None) -> None:
+    """A file the command writes at its end, refused now in one line if it cannot be written (a directory, a missing
+    or read-only folder): opened for appending once, and removed again if this made it."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory, not a file")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot be written ({e.strerror or e})") from None
+    if not existed:
+        path.unlink()
+
+
+def check_written(flag: str, path: Path) -> None:
+    """After a library wrote `path` (torch.profiler's export reports no failure): it must be there, not empty."""
+    if not path.is_file() or path.stat().st_size == 0:
+        raise ValueError(f"{flag} {path}: nothing was written")
+
+
 def check_max_len(max_len: int | None) -> None:
     """--max-len, when given, is a cache length: 0 or less is refused (never read as "the default")."""
     if max_len is not None and max_len < 1:

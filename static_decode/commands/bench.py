@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from capture.settings import CompileSettings
-from static_decode.commands.args import int_list, name_list
+from static_decode.commands.args import check_output, int_list, name_list
 from static_decode.commands.bench_config import QUICK, BenchConfig
 from static_decode.commands.bench_report import report
 from static_decode.commands.bench_run import run
@@ -87,6 +87,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    for flag in ("json", "plot", "profile"):  # written at the end: refused before minutes of benching
+        check_output(f"--{flag}", getattr(args, flag))
     config = config_from_args(args)
     launch = getattr(args, "launch", None)  # under torchrun: this rank's shard and device
     if launch is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from static_decode.checks import check_int
+from static_decode.checks import check_int, is_number
 from static_decode.commands.bench_systems import SYSTEMS
 from static_decode.parallel import SINGLE, TensorParallel
 from static_decode.quant import CHOICES, parse
@@ -117,7 +117,7 @@ class BenchConfig:
         self.gguf = gguf_files(self.gguf)
         for name in ("max_len", "steps", "repeats"):
             check_int(name, getattr(self, name), minimum=1)
-        if not (isinstance(self.peer_timeout, int | float) and self.peer_timeout > 0):
+        if not (is_number(self.peer_timeout) and self.peer_timeout > 0):
             raise ValueError(f"peer_timeout must be a number of seconds > 0, got {self.peer_timeout!r}")
         if self.warmup < 0 or (self.threads is not None and self.threads < 1):
             raise ValueError(f"warmup must be >= 0 and threads >= 1, got {self.warmup!r}, {self.threads!r}")

@@ -41,7 +41,7 @@ import torch
 from capture.buckets import BucketLadder
 from static_decode import ranges
 from static_decode.attention import IMPLS
-from static_decode.commands.args import check_device
+from static_decode.commands.args import check_device, check_written
 from static_decode.commands.bench_config import PROFILE_STEPS, BenchConfig
 from static_decode.commands.bench_lineup import load_forms, plan, read_gguf, weights
 from static_decode.commands.bench_peer import PeerFailed, amx_hint
@@ -377,6 +377,7 @@ def _profile(system: System, prompt: list[int], path: Path) -> None:
         with profile(activities=activities, record_shapes=True) as prof:
             system.finish()
     prof.export_chrome_trace(str(path))
+    check_written("--profile", path)
 
 
 def _attention(

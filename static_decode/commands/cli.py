@@ -17,7 +17,7 @@ import contextlib
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 COMMAND_MODULES: tuple[str, ...] = (
     "static_decode.commands.generate",
@@ -30,8 +30,15 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line and the --help hint (not the usage block), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="static-decode", description=__doc__.splitlines()[0])
+    parser = Parser(prog="static-decode", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:

@@ -19,6 +19,8 @@ from static_decode.commands.args import (
     check_checkpoint,
     check_device,
     check_max_len,
+    check_output,
+    check_written,
     int_list,
     speculation,
 )
@@ -125,6 +127,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:  # checked first: the default max_len is derived from it
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_max_len(args.max_len)
+    check_output("--profile", getattr(args, "profile", None))
     launch = getattr(args, "launch", None)  # set under torchrun: this rank's shard and device
     if launch is None or args.threads is not None:  # under torchrun the launcher shares the cores by default
         apply_threads(args)
@@ -208,6 +211,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if prof is not None:
         prof.stop()
         prof.export_chrome_trace(str(args.profile))
+        check_written("--profile", args.profile)
         print(f"torch.profiler Chrome trace: {args.profile}", file=sys.stderr)
     where = "" if not tp.enabled else f" [{tp.describe()}, {launch.backend}]"
     load, capture_s = (t1 - t0, t2 - t1) if args.compile else (t2 - t0, None)
