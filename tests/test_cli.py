@@ -513,3 +513,23 @@ def test_numpy_scalars_are_taken_wherever_a_python_number_is(plain):
     for name, bad in (("top_p", np.bool_(True)), ("temperature", np.bool_(True)), ("repeat_penalty", np.bool_(1))):
         with pytest.raises(ValueError, match=name):
             gen.generate([1, 2, 3], 2, **{name: bad})
+
+
+@pytest.mark.parametrize("wrapper", [RuntimeError, ValueError])
+def test_ctrl_c_wrapped_by_a_library_is_still_status_130(wrapper, capsys, monkeypatch):
+    """Python 3.11 wraps an exception raised in __set_name__ (a KeyboardInterrupt during an import inside
+    torch.compile), and dynamo wraps that again: the chain still holds the interrupt."""
+
+    def interrupted_inside(args):
+        try:
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt as e:
+                raise wrapper("Error calling __set_name__ on 'cached_property'") from e
+        except Exception as e:
+            raise RuntimeError("backend='inductor' raised") from e
+
+    monkeypatch.setattr(generate, "run_generate", interrupted_inside)
+    rc = cli.main(["generate", "--prompt-ids", "1,2"])
+    out, err = capsys.readouterr()
+    assert rc == 130 and err == "static-decode generate: interrupted\n"

@@ -6,8 +6,10 @@ and not, through the official `openai` client and raw httpx (SSE chunk format, [
 OpenAI's error body and changes nothing (the prefix cache still holds the previous request); stop strings; a
 client that leaves mid-stream stops its request early and the next one is correct; concurrent clients are all
 answered or refused with 429 + Retry-After, with correct outputs and flat resident memory; five chat turns each
-prefill only the new turn and equal a fresh generate of the whole conversation; SIGTERM / SIGINT end the server
-within a second, answering the open requests.
+prefill only the new turn and equal a fresh generate of the whole conversation; a lone surrogate gets a 400 body
+naming its field; fields the server does not compute are refused (400 naming the field), their neutral values
+accepted; bad sampling defaults stop `serve` at startup in one line; SIGTERM / SIGINT end the server within a
+second, answering the open requests.
 """
 
 from __future__ import annotations
@@ -383,14 +385,6 @@ def _shutdown(s: Server, sig: int, long_prompt: tuple[list[int], int]) -> None:
 
 
 # The last tests: each stops its server (the fixtures' teardown then finds it gone).
-def test_sigint_stops_within_a_second(plain_server, long_prompt):
-    _shutdown(plain_server, signal.SIGINT, long_prompt)
-
-
-def test_sigterm_stops_within_a_second(server, long_prompt):
-    _shutdown(server, signal.SIGTERM, long_prompt)
-
-
 def test_a_lone_surrogate_or_a_failing_template_gets_an_openai_error(server, ref):
     """JSON allows "\\ud800"; the tokenizer does not: 400 naming the field, OpenAI's body, the server unharmed."""
     cases = [("/v1/completions", b'{"prompt": "def \\ud800", "max_tokens": 2}', "prompt"),
@@ -455,3 +449,12 @@ def test_serve_refuses_bad_defaults_at_startup(flags, words):
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"static-decode serve: error: {words}"), proc.stderr
+
+
+def test_sigint_stops_within_a_second(plain_server, long_prompt):
+    _shutdown(plain_server, signal.SIGINT, long_prompt)
+
+
+def test_sigterm_stops_within_a_second(server, long_prompt):
+    _shutdown(server, signal.SIGTERM, long_prompt)
+

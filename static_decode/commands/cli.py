@@ -63,6 +63,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt:
         return _interrupted(argv)
+    except Exception as e:
+        if _interrupt_inside(e):  # Ctrl-C inside a library that wrapped it (an import inside torch.compile, say)
+            return _interrupted(argv)
+        raise
+
+
+def _interrupt_inside(error: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is in `error`'s chain of causes and contexts (or dynamo's inner exception)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        todo += [e.__cause__, e.__context__, getattr(e, "inner_exception", None)]
+    return False
 
 
 def _interrupted(argv: Sequence[str] | None) -> int:
@@ -115,6 +134,8 @@ def _run(args: argparse.Namespace, stderr: TextIO, who: str) -> int:
     try:
         return args.run(args)
     except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
+        if _interrupt_inside(e):
+            raise
         message = _one_line(e)
     except RuntimeError as e:  # torch.OutOfMemoryError is one; any other RuntimeError is a bug: keep its traceback
         if not _out_of_memory(e):
