@@ -15,7 +15,7 @@ and the registry need it; a CLI's --help does not).
 
 from __future__ import annotations
 
-from static_decode.exports import lazy_exports
+from static_decode.base.exports import lazy_exports
 
 _EXPORTS = {
     "BucketLadder": "capture.buckets",

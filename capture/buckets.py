@@ -31,7 +31,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from static_decode.checks import check_int, is_number
+from static_decode.base.checks import check_int, is_number
 
 DEFAULT_ALIGN = 256  # rung granularity: a multiple of the attention tile sizes, small next to real contexts
 DEFAULT_GROWTH = 1.5  # worst-case read is < 1.5x the live length + align; ~16 rungs at 128k

@@ -26,7 +26,7 @@ graphs), and tensor-parallel models keep the whole-step graph (their collectives
 
 Fused decode (`CompileSettings.fused_decode`, on in the CPU default): a step of one row and one slot (batch-1
 decode, the first token) traces one op over every layer instead of one per span, and its body runs
-static_decode.fused_decode's kernel (all the layers in one C++ call) instead of a compiled region, where
+static_decode.model.fused_decode's kernel (all the layers in one C++ call) instead of a compiled region, where
 `fused_decode.unsupported` finds nothing against the model and cache (`fused_why` says what did). No region is then
 compiled for T = 1; prefill chunks and batches keep the compiled regions. Measured on SmolLM2-135M in one process:
 -1.5 / -2.6 ms a bf16 token at context 128 / 1,024, -5.6 / -4.0 ms a float32 one (profiles/RESULTS.md, "Fused
@@ -45,9 +45,9 @@ from torch import Tensor
 
 from capture import _dynamo_counters as dc
 from capture.settings import CompileSettings
-from static_decode import fused_decode
-from static_decode.cache import LayerSpan, StaticKVCache
-from static_decode.model import Llama, run_blocks, step_attention
+from static_decode.core.cache import LayerSpan, StaticKVCache
+from static_decode.model import fused_decode
+from static_decode.model.llama import Llama, run_blocks, step_attention
 
 _LIVE: dict[int, LayerRegions] = {}  # handle -> the regions of a live runner (the op finds its region here)
 _HANDLES = itertools.count()
@@ -146,7 +146,7 @@ def _(
 class LayerRegions:
     """The model's blocks as `regions` equal spans compiled apart, for one runner (one cache).
 
-    A `static_decode.model.LayerRunner`: `installed()` makes it the model's runner around each call of a compiled
+    A `static_decode.model.llama.LayerRunner`: `installed()` makes it the model's runner around each call of a compiled
     step, so tracing the step puts one `layer_region` op per span where the inline loop was. graphs: the region
     graphs allowed before dynamo's recompile limit (chunk shapes x read buckets when the read length is static).
     """
@@ -164,7 +164,7 @@ class LayerRegions:
         self.handle = next(_HANDLES)
         self.compiled = 0  # region graphs dynamo compiled so far (the capture records report them apart)
         # One-row, one-token steps: every layer in one kernel call instead of the compiled spans, where the model
-        # and cache allow (static_decode.fused_decode); `fused_why` says why not otherwise.
+        # and cache allow (static_decode.model.fused_decode); `fused_why` says why not otherwise.
         self.fused: fused_decode.FusedLayers | None = None
         self.fused_why = fused_decode.unsupported(model, cache) if settings.fused_decode else "fused_decode=False"
         self._whole = (0, len(model.layers))

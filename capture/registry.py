@@ -38,7 +38,7 @@ Lazy mode (`warm_up` not called, or called for some pairs only): a pair compiles
 its record is made then.
 
 Formulations (CUDA): a kind whose compile fails while a key-splitting attention formulation is in use compiles
-again with the next one (flex, then split_key, then the one-call sdpa_folded; static_decode.attention), before
+again with the next one (flex, then split_key, then the one-call sdpa_folded; static_decode.core.attention), before
 any eager fallback: the step stays compiled. `formulation_fallbacks` names what gave way per kind.
 
 Fallback (`fallback=True`, the Generator's default for a tensor-parallel model): when compiling or capturing a
@@ -66,8 +66,9 @@ from capture.compile_cache import CompileCache
 from capture.guards import count_compiles
 from capture.report import CaptureRecord, CaptureReport
 from capture.settings import RECOMPILE_HEADROOM, CompileSettings
-from static_decode import attention, ranges
-from static_decode.progress import console, progress_bar
+from static_decode.base import ranges
+from static_decode.base.progress import console, progress_bar
+from static_decode.core import attention
 
 Pair = tuple[str, int]
 ScratchFactory = Callable[[], contextlib.AbstractContextManager[Any]]

@@ -1,6 +1,6 @@
 """The compiled step runner: the capture policy for the generator's steps over one cache and one set of buffers.
 
-The generator asks any runner two things (`static_decode.steps.StepRunner`): the read length of a step (here
+The generator asks any runner two things (`static_decode.steps.functions.StepRunner`): the read length of a step (here
 rounded up to a rung of the bucket ladder) and the callable of a step kind at that length (here the
 registry's compiled step). What is decided here, not in the generator:
 
@@ -30,9 +30,9 @@ from capture.regions import LayerRegions
 from capture.registry import Pair, StepRegistry, preserving
 from capture.report import CaptureRecord, CaptureReport
 from capture.settings import CaptureOptions, CompileSettings
-from static_decode.cache import StaticKVCache
-from static_decode.model import Llama
-from static_decode.steps import STEPS, UNBUCKETED, StepBuffers, StepFn
+from static_decode.core.cache import StaticKVCache
+from static_decode.model.llama import Llama
+from static_decode.steps.functions import STEPS, UNBUCKETED, StepBuffers, StepFn
 
 REGION_SHAPES = 3  # chunk shapes a region compiles for: decode (1), a prefill chunk, a speculative verify step
 

@@ -60,7 +60,7 @@ CPU_OPTIONS: Mapping[str, Any] = {"cpp_wrapper": True}
 # compiled faster still but cost more per token (one opaque call each). `layer_regions=0` keeps the whole step in
 # one graph (the fastest token once compiled, for long-lived servers with a warm compile cache).
 CPU_LAYER_REGIONS = 2
-# With them, batch-1 one-token steps run every layer in one C++ call (static_decode.fused_decode) instead of the
+# With them, batch-1 one-token steps run every layer in one C++ call (static_decode.model.fused_decode) instead of the
 # compiled spans: SmolLM2-135M bf16 -1.5 / -2.6 ms a token at context 128 / 1,024, float32 -5.6 / -4.0 ms, in one
 # process (profiles/RESULTS.md, "Fused decode layers"); CPU default.
 
@@ -89,7 +89,8 @@ class CompileSettings:
     backend: str = "inductor"  # "eager"/"aot_eager": dynamo only (debugging, fast tests); no mode/options
     symbolic_read_len: bool = False  # one compile per kind for every rung (True) or one per (kind, rung) (False)
     layer_regions: int = 0  # > 0: the blocks compile apart in up to this many equal spans (capture.regions); 0: whole
-    fused_decode: bool = False  # with layer regions: one-row, one-token steps run static_decode.fused_decode's kernel
+    # with layer regions: one-row, one-token steps run static_decode.model.fused_decode's kernel
+    fused_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

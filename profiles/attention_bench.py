@@ -6,7 +6,7 @@
 
 Llama-3.1-8B head shape (Hq 32, Hkv 8, d 128), B 1. The attention reads K and V of one layer through
 `StaticKVCache.layer_view` (the real strided views of the preallocated buffer, read_len = live length) and
-runs `grouped_attention` with each formulation in `static_decode.attention.IMPLS`. Reported per call:
+runs `grouped_attention` with each formulation in `static_decode.core.attention.IMPLS`. Reported per call:
 best and median ms, GB/s of live K/V bytes (2 * Hkv * L * d * itemsize, the bytes a step must read), and
 that rate as a fraction of the read bandwidth measured in the same run by a float32 sum over a 1 GiB tensor.
 
@@ -31,10 +31,10 @@ from collections.abc import Callable
 
 import torch
 
-from static_decode.attention import DEFAULT_IMPL, IMPLS, grouped_attention
-from static_decode.cache import StaticKVCache
-from static_decode.commands.bench_run import IdleGate
-from static_decode.commands.bench_run import read_bandwidth as _read_bandwidth
+from static_decode.commands.bench.run import IdleGate
+from static_decode.commands.bench.run import read_bandwidth as _read_bandwidth
+from static_decode.core.attention import DEFAULT_IMPL, IMPLS, grouped_attention
+from static_decode.core.cache import StaticKVCache
 
 HQ, HKV, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)

@@ -70,7 +70,7 @@ def build(variant: str, model):
     """A Generator for `variant`, its cold compile seconds and compile counts."""
     from capture import CaptureOptions, count_compiles
     from static_decode import Generator
-    from static_decode.steps import GREEDY_KINDS
+    from static_decode.steps.functions import GREEDY_KINDS
 
     compiled = variant != "eager"
     capture = CaptureOptions(settings=_settings(variant), kinds=GREEDY_KINDS, progress=False) if compiled else None

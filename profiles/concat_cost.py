@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from static_decode.cache import StaticKVCache
+from static_decode.core.cache import StaticKVCache
 
 KV_HEADS, HEAD_DIM, LAYERS = 8, 128, 32  # Llama-3.1-8B
 BATCH = 1

@@ -35,8 +35,9 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from capture import BucketLadder, CaptureOptions, CompileSettings  # noqa: E402
 from static_decode import Generator  # noqa: E402
-from static_decode.commands import bench_run, bench_systems  # noqa: E402
-from static_decode.loading import default_model_path, load_model  # noqa: E402
+from static_decode.checkpoints.loading import default_model_path, load_model  # noqa: E402
+from static_decode.commands.bench import run as bench_run  # noqa: E402
+from static_decode.commands.bench import systems as bench_systems  # noqa: E402
 
 GROUPS = {
     "guards": ("TorchDynamo Cache Lookup",),

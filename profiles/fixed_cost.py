@@ -18,7 +18,7 @@ What it measures is the part of a step that the model's width does not change:
 
 The real model's step costs about this plus its weights' reading time (profiles/RESULTS.md, "Fixed cost around
 the kernels": 2.8-4.0 ms at context 128 against a 12.6-16.7 ms SmolLM2 bf16 step). The fused decode layers
-(static_decode.fused_decode, on in the CPU default) took it from 2.51 / 3.91 to 1.24-1.32 / 2.17-2.50 ms at
+(static_decode.model.fused_decode, on in the CPU default) took it from 2.51 / 3.91 to 1.24-1.32 / 2.17-2.50 ms at
 128 / 1,024 (profiles/results/2026-12-01-fixed-cost-smollm2-layout-fused-layers.json).
 """
 
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from capture import CaptureOptions  # noqa: E402
 from static_decode import Generator, Llama, LlamaConfig  # noqa: E402
-from static_decode.steps import GREEDY_KINDS  # noqa: E402
+from static_decode.steps.functions import GREEDY_KINDS  # noqa: E402
 
 WIDTH, VOCAB, NEW_TOKENS = 64, 256, 64
 

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from capture import CaptureOptions  # noqa: E402
 from static_decode import Generator, load_model  # noqa: E402
-from static_decode.steps import GREEDY_KINDS  # noqa: E402
+from static_decode.steps.functions import GREEDY_KINDS  # noqa: E402
 
 NEW_TOKENS = 64
 LAYOUTS = {"joined": True, "separate": False}

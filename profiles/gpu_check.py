@@ -134,7 +134,7 @@ def run_process(cmd: list[str], budget: float) -> int:
 def run_phase(args: argparse.Namespace, phases: dict, *, name: str | None = None, budget: float | None = None,
               cache_dir: Path | None = None) -> int:
     """One phase in this process; its deadline counts from `--started` (the launch, imports included)."""
-    from gpu_check_phases import Ctx
+    from gpu_check_ctx import Ctx
 
     name = name or args.phase
     device = torch.device("cpu" if args.dry_run else "cuda")
@@ -269,7 +269,7 @@ def products_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def int4_kernel(step_rows: list[dict[str, Any]], product_rows: list[dict[str, Any]]) -> str | None:
     """The int4 product the rows argue for: tinygemm where it ran SPEED_MARGIN faster than "reduce" (the
-    default, static_decode.quant_cuda.DEFAULT_INT4_KERNEL), else "reduce"; judged on whole decode steps where
+    default, static_decode.model.quant_cuda.DEFAULT_INT4_KERNEL), else "reduce"; judged on whole decode steps where
     both were timed there, else on the products alone; None where neither has both."""
     steps = {r.get("kernel"): r["ms"] for r in step_rows if "ms" in r and r.get("kernel")}
     alone = {r["form"].rpartition("-")[2]: r["ms"] for r in product_rows if "ms" in r and r["form"].startswith("int4")}

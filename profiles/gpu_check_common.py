@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from static_decode import Generator, Llama, LlamaConfig
-from static_decode.config import RopeConfig
+from static_decode.model.config import RopeConfig
 
 LLAMA_8B = LlamaConfig(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -105,7 +105,7 @@ def time_decode(gen: Generator, live: int, steps: int, read_len: int | None, tim
     CUDA `steps` graph replays between two events.
 
     read_len None: the eager step reading exactly the live length (+ the steps of this run)."""
-    from static_decode.steps import STEPS
+    from static_decode.steps.functions import STEPS
 
     cache, bufs = gen.cache, gen.bufs
     fn = STEPS["decode_greedy"] if read_len is None else gen.step_fn("decode_greedy", read_len)

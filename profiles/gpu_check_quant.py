@@ -28,14 +28,15 @@ from dataclasses import dataclass
 
 import torch
 from gpu_check_common import Timer, error_text, kv_bytes, time_decode
-from gpu_check_phases import GREEDY_TOKENS, PROMPT, Ctx, _model, _replayed, greedy_row, sync
+from gpu_check_ctx import GREEDY_TOKENS, PROMPT, Ctx, _model, _replayed, greedy_row, sync
 from torch import nn
 
 from capture import BucketLadder, CaptureOptions
 from capture import _dynamo_counters as dc
-from static_decode import Generator, quant, quant_cuda
-from static_decode.quant import QuantLinear, QuantWeight
-from static_decode.steps import STEPS
+from static_decode import Generator
+from static_decode.model import quant, quant_cuda
+from static_decode.model.quant import QuantLinear, QuantWeight
+from static_decode.steps.functions import STEPS
 
 STEP_KIND = "decode_greedy"
 INT4 = "int4-g32"  # the default int4 scheme (groups of 32)
@@ -47,8 +48,8 @@ MATMUL_WEIGHTS = ("layers.0.mlp.down_proj", "layers.0.mlp.gate_up_proj")  # the 
 @dataclass(frozen=True)
 class Setting:
     name: str
-    scheme: str  # static_decode.quant.parse's name
-    kernel: str | None = None  # int4: one of static_decode.quant_cuda.INT4_KERNELS
+    scheme: str  # static_decode.model.quant.parse's name
+    kernel: str | None = None  # int4: one of static_decode.model.quant_cuda.INT4_KERNELS
 
 
 def settings(faster_int4: str) -> list[Setting]:

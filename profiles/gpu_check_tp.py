@@ -45,7 +45,7 @@ from gpu_check_common import (  # noqa: E402
 from capture import BucketLadder, CaptureOptions, CompileSettings  # noqa: E402
 from static_decode import Generator, Llama  # noqa: E402
 from static_decode.commands.launch import Launch, distributed_env, session  # noqa: E402
-from static_decode.parallel import TensorParallel  # noqa: E402
+from static_decode.model.parallel import TensorParallel  # noqa: E402
 
 
 def main() -> int:

@@ -3,7 +3,7 @@
     python profiles/nvtx_cost.py [--iters 1000000]
 
 Prints ns per enter+exit for: an empty loop body, a bare no-op context manager (the floor of any `with`),
-`static_decode.ranges.range` (cached object, the way the library uses it), the same built per call, the
+`static_decode.base.ranges.range` (cached object, the way the library uses it), the same built per call, the
 nvtx package's own `nvtx.annotate`, and the ranges module reloaded without nvtx (the ImportError fallback).
 Under nsys the real domain is live and a range costs more (the tool records it); this script measures the
 case every user pays: ranges compiled in, nobody listening.
@@ -17,7 +17,7 @@ import json
 import sys
 import time
 
-import static_decode.ranges as ranges
+import static_decode.base.ranges as ranges
 
 
 class _Bare:

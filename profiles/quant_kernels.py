@@ -8,12 +8,12 @@ as fast per byte as the bfloat16 GEMV reads bfloat16. For each shape [N, K] (Smo
 down and head, and 4096 x 4096) this times, with the candidates taking turns in every round (a shared machine
 changes speed between phases; medians over the rounds):
 
-* bf16 `F.linear` and our `gemv_bf16` (static_decode.cpu_kernel, where the CPU has AVX512-BF16);
+* bf16 `F.linear` and our `gemv_bf16` (static_decode.kernels.cpu_kernel, where the CPU has AVX512-BF16);
 * int8 per output channel: `torch.ops.aten._weight_int8pack_mm`, and gpt-fast's
   `F.linear(x, w.to(x.dtype)) * scales` and its multiply-and-row-sum form compiled by inductor;
 * int4 grouped (32 / 64 / 128): `torch.ops.aten._weight_int4pack_mm_for_cpu` on the weight packed by
   `_convert_weight_to_int4pack_for_cpu`;
-* ours: `torch.ops.static_decode_cpu.gemv_q` on static_decode.quant's int8 and int4-g32 (csrc/gemv_quant.cpp).
+* ours: `torch.ops.static_decode_cpu.gemv_q` on static_decode.model.quant's int8 and int4-g32 (csrc/gemv_quant.cpp).
 
 GB/s counts the weight's bytes (scales included) per call. Each weight set is several times the last-level cache
 and the calls cycle through the copies, so every call reads cold weights from memory, as a decode step does.
@@ -30,8 +30,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from static_decode import cpu_kernel, quant
-from static_decode.quant import QuantWeight
+from static_decode.kernels import cpu_kernel
+from static_decode.model import quant
+from static_decode.model.quant import QuantWeight
 
 SMOLLM2 = {"q/o 576x576": (576, 576), "k/v 192x576": (192, 576), "gate/up 1536x576": (1536, 576),
            "down 576x1536": (576, 1536), "head 49152x576": (49152, 576)}  # fmt: skip
@@ -84,7 +85,7 @@ def candidates(N: int, K: int) -> dict[str, tuple[int, Callable[[torch.Tensor, i
     cr = torch.compile(rowsum, dynamic=False)
     out["int8 compiled linear*scales"] = (b8, lambda x, i: cg(x, q8s[i % n8], s8))
     out["int8 compiled row-sum"] = (b8, lambda x, i: cr(x, q8s[i % n8], s8))
-    if cpu_kernel.available():  # ours (csrc/gemv_quant.cpp), on static_decode.quant's formats
+    if cpu_kernel.available():  # ours (csrc/gemv_quant.cpp), on static_decode.model.quant's formats
         for spec in ("int8", "int4-g32"):
             qw = QuantWeight(w, quant.parse(spec))
             nq = _copies(qw.nbytes)

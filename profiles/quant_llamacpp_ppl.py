@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from static_decode.loading import load_tokenizer
+from static_decode.checkpoints.loading import load_tokenizer
 
 
 def main() -> None:

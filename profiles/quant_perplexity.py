@@ -5,7 +5,7 @@
 
 Default text: Python's own argparse.py source (the first 1,024 tokens, 256-token chunks: the comparison llama.cpp's
 `perplexity` was run on). Each form is DTYPE or DTYPE:QUANTIZE; it prints perplexity, its rise over the same dtype's
-float model, the bytes of the weights (static_decode.quant.weight_bytes) and the load (with quantization) seconds.
+float model, the bytes of the weights (static_decode.model.quant.weight_bytes) and the load (with quantization) seconds.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from static_decode.checkpoints.loading import load_model, load_tokenizer
 from static_decode.commands.perplexity import perplexity
-from static_decode.loading import load_model, load_tokenizer
-from static_decode.quant import weight_bytes
+from static_decode.model.quant import weight_bytes
 
 FORMS = ("float32,bfloat16,float32:int8,bfloat16:int8,float32:int4-g32,bfloat16:int4-g32,float32:int4-g64,"
          "bfloat16:int4-g64")

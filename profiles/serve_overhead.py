@@ -34,9 +34,9 @@ import torch  # noqa: E402
 
 from capture import CaptureOptions  # noqa: E402
 from static_decode import Generator, load_model  # noqa: E402
+from static_decode.checkpoints.loading import load_tokenizer  # noqa: E402
 from static_decode.commands.args import default_threads  # noqa: E402
-from static_decode.loading import load_tokenizer  # noqa: E402
-from static_decode.steps import GREEDY_KINDS  # noqa: E402
+from static_decode.steps.functions import GREEDY_KINDS  # noqa: E402
 
 SHIFT = 97  # prompt-window shift per round: no two rounds share a first token position's content
 
@@ -102,7 +102,7 @@ def main() -> None:
     args.threads = args.threads or default_threads()
     torch.set_num_threads(args.threads)
     max_len = args.context + args.new_tokens
-    text = "".join(f.read_text() for f in sorted((ROOT / "static_decode").glob("*.py")))
+    text = "".join(f.read_text() for f in sorted((ROOT / "static_decode").rglob("*.py")))
     ids = load_tokenizer(args.model).encode(text).ids
     need = args.context + SHIFT * args.rounds
     if len(ids) < need:

@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from capture import CaptureOptions  # noqa: E402
 from static_decode import Generator, PromptLookup, load_model, load_tokenizer  # noqa: E402
-from static_decode.chat_template import load_chat_template  # noqa: E402
-from static_decode.steps import GREEDY_KINDS  # noqa: E402
+from static_decode.steps.functions import GREEDY_KINDS  # noqa: E402
+from static_decode.text.chat_template import load_chat_template  # noqa: E402
 
 CODE = '''def merge_intervals(intervals):
     if not intervals:
@@ -58,7 +58,7 @@ PROMPTS = {
 
 
 def simulated_lookup(prompt: list[int], output: list[int], tokens: int, ngram: int) -> float:
-    """Tokens per verify step that greedy prompt lookup (static_decode.verify.lookup_draft's rule) reaches when
+    """Tokens per verify step that greedy prompt lookup (static_decode.steps.verify.lookup_draft's rule) reaches when
     the model's output is `output`: the ceiling of the speculative run, whatever its step costs."""
     hist = list(prompt) + output[:1]
     i, steps = 1, 0

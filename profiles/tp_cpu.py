@@ -37,10 +37,10 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from capture import CaptureOptions  # noqa: E402
 from static_decode import Generator, Llama, LlamaConfig, load_model  # noqa: E402
-from static_decode.loading import default_model_path  # noqa: E402
-from static_decode.model import hf_name  # noqa: E402
-from static_decode.parallel import SINGLE, TensorParallel  # noqa: E402
-from static_decode.steps import GREEDY_KINDS  # noqa: E402
+from static_decode.checkpoints.loading import default_model_path  # noqa: E402
+from static_decode.model.llama import hf_name  # noqa: E402
+from static_decode.model.parallel import SINGLE, TensorParallel  # noqa: E402
+from static_decode.steps.functions import GREEDY_KINDS  # noqa: E402
 
 # Wide enough that a decode step reads ~0.4 GB of weights (bandwidth-bound on one core), with 8 KV heads.
 WIDE = LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16,
@@ -156,7 +156,7 @@ def main() -> int:
     out = ROOT / "profiles" / "results" / f"{time.strftime('%Y-%m-%d')}-tp-cpu.json"
     ap.add_argument("--out", type=Path, default=out)
     args = ap.parse_args()
-    from static_decode.commands.bench_run import machine
+    from static_decode.commands.bench.run import machine
 
     doc: dict[str, Any] = {"machine": machine(1, torch.device("cpu")), "context": args.context,
                            "steps": args.steps, "repeats": args.repeats, "max_len": args.max_len, "rows": []}

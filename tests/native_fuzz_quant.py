@@ -31,7 +31,7 @@ import torch
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
-from static_decode import quant
+from static_decode.model import quant
 
 OPS = torch.ops.static_decode_cpu
 GROUPS = (0, 32, 64, 128)  # 0: int8 per output channel; else int4's group along K

@@ -22,10 +22,12 @@ import torch
 from hypothesis import find, given
 from hypothesis import strategies as st
 
-from static_decode import Llama, LlamaConfig, cpu_kernel, quant, rope
-from static_decode.cache import LayerSpan
-from static_decode.fused_decode import FusedLayers, layer_weights
-from static_decode.model import run_blocks, step_attention
+from static_decode import Llama, LlamaConfig
+from static_decode.core.cache import LayerSpan
+from static_decode.kernels import cpu_kernel
+from static_decode.model import quant, rope
+from static_decode.model.fused_decode import FusedLayers, layer_weights
+from static_decode.model.llama import run_blocks, step_attention
 from tests.native_fuzz_quant import (
     BAD_GROUPS,
     FIRST,

@@ -22,8 +22,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from static_decode import cpu_kernel
-from static_decode.reference import attention_vectorised
+from static_decode.core.reference import attention_vectorised
+from static_decode.kernels import cpu_kernel
 from tests.native_fuzz_quant import Harness, check_gemv_q_cases
 from tests.native_fuzz_quant_layers import check_layers_q_cases
 

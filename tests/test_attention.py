@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from static_decode import StaticKVCache, gqa_attention
-from static_decode.attention import DEFAULT_IMPL, IMPLS, chunk_mask
-from static_decode.reference import attention_direct, attention_vectorised
+from static_decode.core.attention import DEFAULT_IMPL, IMPLS, chunk_mask
+from static_decode.core.reference import attention_direct, attention_vectorised
 from tests.chunked import new_pair, schedule, to_torch
 
 
@@ -55,7 +55,7 @@ def test_float64_matches_references(impl: str, trials: int) -> None:
 def test_split_key_blocks_combine_exactly(monkeypatch: pytest.MonkeyPatch, block: int) -> None:
     """split_key with blocks small enough that the random reads split (block 1: every key its own block, so the
     log-sum-exp combine does all the work), over the same random chunked trials and references."""
-    import static_decode.split_attention as split
+    import static_decode.core.split_attention as split
 
     monkeypatch.setattr(split, "SPLIT_BLOCK", block)
     rng = np.random.default_rng(17 + block)
@@ -66,7 +66,7 @@ def test_split_key_blocks_combine_exactly(monkeypatch: pytest.MonkeyPatch, block
 @pytest.mark.parametrize("batch", [1, 3])
 def test_split_key_reads_the_cache_in_place(batch: int) -> None:
     """The blocks are strided views of the cache: the kernel gets K and V at the cache's own addresses."""
-    import static_decode.split_attention as split
+    import static_decode.core.split_attention as split
 
     cache = StaticKVCache(batch, 2, 520, 8, dtype=torch.float32)  # 520: a spare tail past the 512 read
     cache.append(torch.randn(batch, 2, 300, 8), torch.randn(batch, 2, 300, 8), [300] * batch)
@@ -152,7 +152,7 @@ def test_empty_batch_and_empty_cache(impl: str) -> None:
 def test_read_is_a_view_up_to_read_len(monkeypatch: pytest.MonkeyPatch) -> None:
     cache = StaticKVCache(1, 2, 64, 8, layers=3)
     seen = []
-    import static_decode.attention as attention_module
+    import static_decode.core.attention as attention_module
 
     real = attention_module.grouped_attention
 
@@ -200,7 +200,7 @@ def test_sdpa_folded_accepts_cuda_output_layout(monkeypatch: pytest.MonkeyPatch,
     Hq fails on that layout (seen on an H200: every compiled prefill chunk failed). Emulated here on the CPU."""
     import torch.nn.functional as F
 
-    import static_decode.attention as attention_module
+    import static_decode.core.attention as attention_module
 
     real_sdpa = F.scaled_dot_product_attention
 
@@ -229,8 +229,8 @@ def test_sdpa_folded_accepts_cuda_output_layout(monkeypatch: pytest.MonkeyPatch,
 def test_a_fresh_chunk_runs_causal_and_equals_the_reference(g: int) -> None:
     """StepMask.causal (a chunk from position 0 filling every slot, read == T): per-group causal SDPA, exactly
     rule 3 against the float64 reference; a read longer than the chunk is refused."""
-    import static_decode.attention as attention_module
-    from static_decode.attention import FRESH, grouped_attention
+    import static_decode.core.attention as attention_module
+    from static_decode.core.attention import FRESH, grouped_attention
 
     rng = np.random.default_rng(g)
     batch, hkv, T, d = 2, 2, 11, 8
@@ -255,7 +255,7 @@ def test_a_fresh_chunk_reads_k_and_v_in_place() -> None:
     """Rule 2 on the causal path: no repeat, no copy of K or V (the CPU kernel maps the GQA heads itself)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from static_decode.attention import FRESH, grouped_attention
+    from static_decode.core.attention import FRESH, grouped_attention
 
     T, d = 64, 16
     k, v = torch.randn(2, 1, 3, T + 1, d)[:, :, :, :T]  # [1, Hkv, T, d] strided like the cache
@@ -276,8 +276,8 @@ def test_a_fresh_chunk_reads_k_and_v_in_place() -> None:
 def test_auto_resolves_per_device_batch_and_kv_heads(monkeypatch: pytest.MonkeyPatch) -> None:
     """"auto" without the CPU kernel (tests/test_cpu_kernel.py checks it with): split_key on the CPU when batch x KV
     heads does not divide over the threads, else sdpa_folded."""
-    from static_decode import cpu_kernel
-    from static_decode.attention import resolve_impl
+    from static_decode.core.attention import resolve_impl
+    from static_decode.kernels import cpu_kernel
 
     monkeypatch.setattr(cpu_kernel, "_state", {"ok": False})
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -302,7 +302,7 @@ def test_auto_resolves_per_device_batch_and_kv_heads(monkeypatch: pytest.MonkeyP
 def test_the_thread_count_is_a_constant_of_the_trace() -> None:
     """attention._threads carries the marker torch.compiler.assume_constant_result sets (set by hand there, so
     importing attention does not import torch._dynamo), and a fullgraph compile that reads it traces."""
-    import static_decode.attention as attention
+    import static_decode.core.attention as attention
 
     marked = torch.compiler.assume_constant_result(lambda: 0)
     assert {k for k in vars(marked)} <= set(vars(attention._threads)) and attention._threads._dynamo_marked_constant
@@ -320,7 +320,7 @@ def test_split_key_cuda_partials_logic_on_cpu() -> None:
     kernel standing in, against the CPU flash branch on the same blocks."""
     import math
 
-    import static_decode.split_attention as split
+    import static_decode.core.split_attention as split
 
     seen = {}
 
@@ -352,8 +352,8 @@ def test_cuda_decode_formulations_match_the_reference(monkeypatch: pytest.Monkey
     constraint), head_dim 16, a read of whole blocks past the live keys, ragged rows of which one appends nothing
     (padded: all zeros) and one a partial chunk; small split blocks so that the combine spans several. Against the
     float64 numpy reference, on the CPU (flex: PyTorch's eager reference of the same score_mod)."""
-    import static_decode.split_attention as split
-    from static_decode.attention import grouped_attention
+    import static_decode.core.split_attention as split
+    from static_decode.core.attention import grouped_attention
 
     monkeypatch.setattr(split, "SPLIT_BLOCK", 8)
     rng = np.random.default_rng(11 + T)
@@ -370,7 +370,7 @@ def test_cuda_decode_formulations_match_the_reference(monkeypatch: pytest.Monkey
 
 
 def test_cuda_decode_selection_is_a_pure_function() -> None:
-    from static_decode.attention import cuda_decode_impl, flex_fits
+    from static_decode.core.attention import cuda_decode_impl, flex_fits
 
     bf16 = torch.bfloat16
     assert cuda_decode_impl(4, 1, 128, bf16, compiling=True) == "flex"  # Llama-3.1-8B decode, compiled
@@ -389,7 +389,7 @@ def test_cuda_resolution_simulated(monkeypatch: pytest.MonkeyPatch) -> None:
     """resolve_impl for device "cuda" (no GPU needed: nothing runs): decode and verify rows split the key axis,
     flex inside a compile where it fits; prefill chunks keep sdpa_folded; a formulation that failed to compile is
     resolved past, named or not."""
-    import static_decode.attention as attention
+    import static_decode.core.attention as attention
 
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     monkeypatch.setattr(attention, "_FAILED", {})
@@ -417,6 +417,6 @@ def test_cuda_resolution_simulated(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_failures_are_a_constant_of_the_trace() -> None:
     """A compiled step keeps the formulation it compiled with: the failures are read as a trace-time constant (no
     guard), so one kind's failure does not recompile another kind mid-request."""
-    import static_decode.attention as attention
+    import static_decode.core.attention as attention
 
     assert attention._failed_now._dynamo_marked_constant

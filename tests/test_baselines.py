@@ -1,4 +1,4 @@
-"""The `concat` baseline (profiles/baselines.py) computes the same model as the library.
+"""The `concat` baseline (static_decode/commands/bench/baselines.py) computes the same model as the library.
 
 Pins: a baseline that disagrees with the library would make the bench compare different work; it must give
 the library's logits (float64, to 1e-10) through a prefill and decode steps, while really growing its cache
@@ -7,23 +7,21 @@ by concatenation (a new allocation each step) and repeating KV heads.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-from static_decode.config import LlamaConfig
-from static_decode.model import Llama
+from static_decode.model.config import LlamaConfig
+from static_decode.model.llama import Llama
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_baselines():
-    spec = importlib.util.spec_from_file_location("sd_profiles_baselines", ROOT / "profiles" / "baselines.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from static_decode.commands.bench import baselines
+
+    return baselines
 
 
 @pytest.fixture(scope="module")

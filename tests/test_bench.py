@@ -19,7 +19,12 @@ import pytest
 import torch
 
 from capture import CompileSettings
-from static_decode.commands import bench, bench_config, bench_report, bench_run, bench_systems, cli
+from static_decode.commands import cli
+from static_decode.commands.bench import command as bench
+from static_decode.commands.bench import config as bench_config
+from static_decode.commands.bench import report as bench_report
+from static_decode.commands.bench import run as bench_run
+from static_decode.commands.bench import systems as bench_systems
 from tests.checkpoints import hf_greedy, hf_llama, save
 
 EAGER = CompileSettings(backend="eager")  # dynamo only: the compiled systems' logic, without inductor's minutes
@@ -115,7 +120,7 @@ def test_a_token_mismatch_is_reported_with_its_first_index():
 # ---- the systems on a tiny checkpoint ------------------------------------------------------------------------
 def test_every_system_gives_the_reference_greedy_tokens(checkpoint):
     hf, path = checkpoint
-    from static_decode.loading import load_model
+    from static_decode.checkpoints.loading import load_model
 
     model = load_model(path)
     prompt, _ = bench_run.make_prompt(path, model.config.vocab_size, 21)
@@ -133,7 +138,7 @@ def test_every_system_gives_the_reference_greedy_tokens(checkpoint):
 
 def test_transformers_compiled_decode_step_gives_the_same_tokens(checkpoint):
     hf, path = checkpoint
-    from static_decode.loading import load_model
+    from static_decode.checkpoints.loading import load_model
 
     model = load_model(path)
     system = bench_systems.TransformersSystem(path, model.dtype, model.device, 40, compile=True, backend="eager")
@@ -195,7 +200,7 @@ def test_generate_profile_writes_a_chrome_trace(checkpoint, tmp_path, capsys):
 
 def test_llama_cpp_is_skipped_with_a_note_without_the_package_or_a_gguf(checkpoint, monkeypatch, tmp_path):
     _, path = checkpoint
-    from static_decode.loading import load_model
+    from static_decode.checkpoints.loading import load_model
 
     model = load_model(path)
     find_spec = bench_systems.importlib.util.find_spec

@@ -5,7 +5,7 @@ Pins: both options take several values (comma-separated; --gguf also repeated an
 still works; a missing GGUF is one line naming it before any model loads; the systems' names (plain with one form
 or one unnamed GGUF, else suffixed by form, NAME or the file's quant type); each system's bytes floor counts its
 own weight bytes; the ratios to the first system; a real run on the embedded model with none,int8 (int8 reads
-fewer bytes than float, each exactly what static_decode.quant.read_bytes counts of an independently loaded model);
+fewer bytes than float, each exactly what static_decode.model.quant.read_bytes counts of an independently loaded model);
 and, where llama-cpp-python and gguf are installed, a real run beside llama.cpp on tiny GGUFs written here and
 quantized by llama.cpp's own quantizer (profiles/smollm2.py's quantize_gguf), their tensor bytes checked against
 the GGUF block formats (F32: 4 B a weight; Q8_0: 34 B per 32 weights).
@@ -21,11 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from static_decode import quant
-from static_decode.commands import bench, bench_config, bench_lineup, bench_peer, bench_report, bench_run, cli
-from static_decode.commands.bench_config import GGUFFile
-from static_decode.commands.bench_lineup import GGUFFacts
-from static_decode.loading import default_model_path, load_model
+from static_decode.checkpoints.loading import default_model_path, load_model
+from static_decode.commands import cli
+from static_decode.commands.bench import command as bench
+from static_decode.commands.bench import config as bench_config
+from static_decode.commands.bench import lineup as bench_lineup
+from static_decode.commands.bench import peer as bench_peer
+from static_decode.commands.bench import report as bench_report
+from static_decode.commands.bench import run as bench_run
+from static_decode.commands.bench.config import GGUFFile
+from static_decode.commands.bench.lineup import GGUFFacts
+from static_decode.model import quant
 from tests.checkpoints import llama_cpp_system_info, tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,8 +219,8 @@ def test_a_bench_beside_llama_cpp_quants_of_tiny_ggufs(tmp_path):
 
 def test_transformers_is_skipped_on_a_quantized_checkpoint(tmp_path):
     """transformers reads float weights: on a saved quantized checkpoint the system is skipped with one line."""
-    from static_decode.commands.bench_systems import build
-    from static_decode.quant_io import save_quantized
+    from static_decode.checkpoints.quant_io import save_quantized
+    from static_decode.commands.bench.systems import build
 
     model = quant.quantize_model(load_model(default_model_path()), "int8")
     save_quantized(model, tmp_path / "q", default_model_path())

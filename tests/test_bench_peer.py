@@ -1,7 +1,7 @@
 """The bench survives its peers: each llama.cpp system runs in a worker process, and a worker that really
 crashes (a segfault), hangs, exits or raises becomes that system's row while every other system is reported.
 
-The misbehaving peers are real subprocesses: the worker (static_decode.commands.llama_cpp_worker) imports a
+The misbehaving peers are real subprocesses: the worker (static_decode.commands.bench.llama_cpp_worker) imports a
 `llama_cpp` written here onto the worker's PYTHONPATH whose eval dereferences NULL (SIGSEGV), sleeps forever,
 or exits; the bench itself (its GGUF facts) uses the installed llama-cpp-python on a real tiny GGUF.
 """
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from static_decode.commands import bench_peer, cli
-from static_decode.commands.bench_peer import PeerFailed, PeerProcess
+from static_decode.commands import cli
+from static_decode.commands.bench import peer as bench_peer
+from static_decode.commands.bench.peer import PeerFailed, PeerProcess
 from tests.checkpoints import tiny_gguf
 
 TINY = ["--contexts", "5,12", "--max-len", "24", "--steps", "2", "--repeats", "2", "--warmup", "1",
@@ -147,7 +148,7 @@ def test_a_peer_that_fails_to_load_or_exits_is_its_own_row(tmp_path, gguf, fake_
 def test_a_working_peer_process_answers_and_ends(tmp_path, gguf, fake_peer):
     """The worker's protocol on the stand-in: greedy tokens follow its logits; close ends the process."""
     fake_peer("ok")
-    from static_decode.commands.bench_systems import LlamaCppSystem
+    from static_decode.commands.bench.systems import LlamaCppSystem
 
     s = LlamaCppSystem(gguf, max_len=24, threads=1, timeout_s=60)
     s.start([7, 9], 4)
@@ -164,8 +165,8 @@ def test_a_working_peer_process_answers_and_ends(tmp_path, gguf, fake_peer):
 def test_peer_process_refusals_and_unknown_requests(fake_peer):
     fake_peer("ok")
     with pytest.raises(ValueError, match=r"peer timeout must be > 0 s, got 0"):
-        PeerProcess("static_decode.commands.llama_cpp_worker", 0)
-    p = PeerProcess("static_decode.commands.llama_cpp_worker", 60)
+        PeerProcess("static_decode.commands.bench.llama_cpp_worker", 0)
+    p = PeerProcess("static_decode.commands.bench.llama_cpp_worker", 60)
     with pytest.raises(PeerFailed, match=r"failed: RuntimeError: 'start' before 'load'"):
         p.call({"op": "start", "prompt": [1], "new_tokens": 1})
     with pytest.raises(PeerFailed, match=r"failed: RuntimeError"):  # a failed peer stays failed

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from static_decode import Llama, LlamaConfig, StaticKVCache, gqa_attention
-from static_decode.attention import DEFAULT_IMPL, IMPLS
+from static_decode.core.attention import DEFAULT_IMPL, IMPLS
 
-# "flex" is for compiled CUDA steps only (static_decode/attention.py): PyTorch's eager flex_attention is its
+# "flex" is for compiled CUDA steps only (static_decode/core/attention.py): PyTorch's eager flex_attention is its
 # unfused reference, which repeats K/V for GQA, so the no-copy checks of eager runs cover the other impls.
 EAGER_IMPLS = tuple(i for i in IMPLS if i != "flex")
 

@@ -43,8 +43,8 @@ from capture import (
 )
 from capture import _dynamo_counters as dc
 from static_decode import Generator, Llama, LlamaConfig, load_model
-from static_decode.loading import default_model_path
-from static_decode.steps import PAD
+from static_decode.checkpoints.loading import default_model_path
+from static_decode.steps.functions import PAD
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 MAX_LEN, CHUNK, LADDER = 64, 8, (32, 64)

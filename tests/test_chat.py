@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from static_decode import Generator, load_model
-from static_decode.chat_template import load_chat_template
 from static_decode.commands import cli
+from static_decode.text.chat_template import load_chat_template
 from tests.checkpoints import byte_tokenizer, hf_llama, save
 
 TEMPLATE = (

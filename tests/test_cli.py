@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from static_decode import Generator, load_model
+from static_decode.checkpoints.loading import default_model_path
 from static_decode.commands import cli, generate
-from static_decode.loading import default_model_path
 from tests.checkpoints import byte_tokenizer, hf_llama, save
 
 PROMPT_IDS = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -162,8 +162,20 @@ def test_other_modules_register_subcommands(monkeypatch, capsys):
 
     plugin.add_parser = add_parser
     monkeypatch.setitem(sys.modules, "fake_plugin", plugin)
-    monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "fake_plugin", "no_such_module_yet"))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "fake_plugin"))
     assert run(capsys, "hello", "--name", "you")[:2] == (0, "hello you\n")
+
+
+def test_a_listed_command_module_that_is_missing_raises(monkeypatch):
+    """Nothing is skipped silently: a module named in COMMAND_MODULES that is not there (a file left out of a
+    wheel, a typo) fails the parser, naming it."""
+    monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "static_decode.commands.no_such_command"))
+    with pytest.raises(ModuleNotFoundError, match="static_decode.commands.no_such_command"):
+        cli.build_parser()
+    monkeypatch.setitem(sys.modules, "no_add_parser", types.ModuleType("no_add_parser"))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("no_add_parser",))
+    with pytest.raises(AttributeError, match="add_parser"):
+        cli.build_parser()
 
 
 def test_python_dash_m():
@@ -289,7 +301,7 @@ def test_repeat_penalty_flag_equals_the_generator(plain, capsys):
 
 
 def test_system_message_is_rendered_before_the_prompt(special, capsys):
-    from static_decode.chat_template import load_chat_template
+    from static_decode.text.chat_template import load_chat_template
 
     rc, out, err = run(capsys, "generate", "--model", str(special), "--system", "be brief. ", "--prompt", "hi",
                        "--max-new-tokens", "6", "--show-special")
@@ -392,7 +404,7 @@ def test_chat_first_turn_claims_no_earlier_turns(talky, capsys, monkeypatch):
 
 
 def test_chat_system_message_opens_the_conversation(talky, capsys, monkeypatch):
-    from static_decode.chat_template import load_chat_template
+    from static_decode.text.chat_template import load_chat_template
 
     rc, _, err = _chat(capsys, monkeypatch, ["--model", str(talky), "--max-new-tokens", "4", "--system", "terse"],
                        "hi\n/reset\nhi\n")
@@ -444,7 +456,7 @@ def test_repeat_penalty_with_speculation_is_refused_up_front(talky, capsys, monk
 
 
 def test_per_token_time_leaves_out_the_steps_after_eos(plain):
-    from static_decode.stats import GenerationStats
+    from static_decode.generation.stats import GenerationStats
 
     s = GenerationStats(prompt_tokens=40, new_tokens=8, prefill_s=0.1, decode_s=1.6, decode_steps=16, live_steps=7)
     assert s.ms_per_step == 100.0 and s.ms_per_token == 100.0  # 7 tokens from 7 live steps of 100 ms

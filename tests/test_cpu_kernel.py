@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (static_decode/csrc/decode_attention.cpp) against the float64 references.
+"""The CPU decode-attention kernel (static_decode/kernels/csrc/decode_attention.cpp) against the float64 references.
 
 Pins what attention.py promises for every formulation, on the kernel's own shapes (head_dim a multiple of the
 vector width, up to 64 query rows per KV head): the offset mask of a chunk after cached tokens, query head h
@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from static_decode import StaticKVCache, cpu_kernel
-from static_decode.attention import gqa_attention, grouped_attention, resolve_impl
-from static_decode.reference import attention_vectorised
+from static_decode import StaticKVCache
+from static_decode.core.attention import gqa_attention, grouped_attention, resolve_impl
+from static_decode.core.reference import attention_vectorised
+from static_decode.kernels import cpu_kernel
 from tests.chunked import new_pair, schedule, to_torch
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel did not build here")
@@ -198,7 +199,7 @@ def test_gemv_matches_float64_on_bfloat16_values(n: int, k: int) -> None:
 
 @needs_bf16_dot
 def test_projection_routes_one_bfloat16_row_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    from static_decode import projection
+    from static_decode.model import projection
 
     calls = []
     real = cpu_kernel.gemv_bf16
@@ -216,7 +217,7 @@ def test_projection_routes_one_bfloat16_row_to_the_kernel(monkeypatch: pytest.Mo
 
 @needs_bf16_dot
 def test_gemv_compiles_without_a_graph_break() -> None:
-    from static_decode import projection
+    from static_decode.model import projection
 
     w = torch.randn(300, 96).bfloat16()
     x = torch.randn(1, 96).bfloat16()
@@ -233,7 +234,7 @@ def test_gemv_refuses_a_float32_weight_by_name() -> None:
 def test_a_cpu_generator_builds_the_kernels_before_any_timed_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-time build happens when the Generator is made, not inside the first step's timing."""
     from static_decode import Generator
-    from static_decode.loading import default_model_path, load_model
+    from static_decode.checkpoints.loading import default_model_path, load_model
 
     builds = []
     monkeypatch.setattr(cpu_kernel, "_state", {})
@@ -280,8 +281,8 @@ def test_model_routes_a_decode_row_to_the_fused_calls(monkeypatch: pytest.Monkey
     """A bfloat16 one-token step: one q/k/v call and one gate/up call per layer, and its logits match those of the
     same step with every projection apart (each through gemv_bf16) to bfloat16 rounding: eager F.silu rounds its
     output to bfloat16 before the multiply, the fused call rounds once (as inductor's fused kernel does)."""
-    from static_decode import projection
-    from static_decode.loading import default_model_path, load_model
+    from static_decode.checkpoints.loading import default_model_path, load_model
+    from static_decode.model import projection
 
     # q/k/v and gate/up as separate weights (the joined weights of the default are one product each: see
     # tests/test_fused_projections.py)
@@ -309,7 +310,7 @@ def test_model_routes_a_decode_row_to_the_fused_calls(monkeypatch: pytest.Monkey
 def test_fused_calls_compile_without_a_graph_break() -> None:
     """Traced through their Meta kernels (fullgraph) and run by the compiled code: the same values as eager (the
     ops' outputs returned as they are, so no fused arithmetic after them rounds differently)."""
-    from static_decode import projection
+    from static_decode.model import projection
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(1, 1, 64, generator=gen).bfloat16()

@@ -14,13 +14,13 @@ import os
 import pytest
 import torch
 
-import static_decode.attention as attention
+import static_decode.core.attention as attention
 from capture import BucketLadder, CompileSettings
 from capture import _dynamo_counters as dc
 from capture.compile_cache import CompileCache
 from capture.registry import StepRegistry
 from capture.settings import RECOMPILE_HEADROOM
-from static_decode.split_attention import SPLIT_BLOCK
+from static_decode.core.split_attention import SPLIT_BLOCK
 
 
 def test_cuda_default_is_one_compile_per_kind() -> None:

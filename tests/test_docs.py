@@ -70,3 +70,31 @@ def test_readme_test_command_is_the_ci_one():
     ci = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln.startswith("python3 -m venv")]
     assert len(ci) == 1
     assert ci[0] in (ROOT / "README.md").read_text()
+
+
+def test_architecture_names_every_folder_and_module():
+    """docs/architecture.md's layer diagram, drawn from the tree: every module it names exists in the folder it
+    names, and every folder and module of the packages is named."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    diagram = text.split("## The layers", 1)[1].split("```")[1]
+    named: dict[str, set[str]] = {}
+    folder = None
+    for line in diagram.splitlines():
+        m = re.search(r"((?:static_decode|capture)/[a-z_/]*)", line)
+        if m:
+            folder = m.group(1).rstrip("/")
+            line = line[m.end():]
+        if folder is None:
+            continue
+        words = re.findall(r"\b([a-z_][a-z0-9_]*)\b", line.split(":", 1)[-1].split("(")[0])
+        named.setdefault(folder, set()).update(words)
+    real: dict[str, set[str]] = {}
+    for init in sorted([*(ROOT / "static_decode").rglob("__init__.py"), ROOT / "capture" / "__init__.py"]):
+        d = init.parent.relative_to(ROOT).as_posix()
+        if d != "static_decode":
+            real[d] = {f.stem for f in init.parent.glob("*.py") if f.stem != "__init__"}
+    assert set(named) == set(real), (set(named) ^ set(real))
+    for d, mods in real.items():
+        assert mods <= named[d], (d, mods - named[d])
+        listed = {w for w in named[d] if (ROOT / d / f"{w}.py").exists()}
+        assert listed == mods, (d, listed ^ mods)

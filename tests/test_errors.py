@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from static_decode import memory
+from static_decode.checkpoints.loading import SINGLE_FILE, load_model, load_tokenizer
 from static_decode.commands import cli
-from static_decode.loading import SINGLE_FILE, load_model, load_tokenizer
-from static_decode.model import Llama
+from static_decode.generation import memory
+from static_decode.model.llama import Llama
 from tests.checkpoints import hf_llama, save
 
 ARGS = ("--prompt-ids", "3,1,4", "--max-new-tokens", "2")

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import static_decode.model as model_module
+import static_decode.model.llama as model_module
 from capture import BucketLadder, CaptureOptions, CompileSettings
 from static_decode import Generator, load_model
 from tests.checkpoints import feed, hf_family, hf_greedy, hf_logits, prompt, rewrite_config, save, to_4x_style

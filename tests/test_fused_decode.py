@@ -1,4 +1,4 @@
-"""The fused decode layers (static_decode/fused_decode.py, csrc/decode_layers.cpp) against the unfused layers.
+"""The fused decode layers (static_decode/model/fused_decode.py, csrc/decode_layers.cpp) against the unfused layers.
 
 bfloat16: bit for bit what the eager layers give (same kernels for the products and the attention, the same
 roundings), the whole K/V cache included. float32: within rounding of the eager layers run with the "matmul"
@@ -16,11 +16,13 @@ import pytest
 import torch
 
 from capture import CaptureOptions, CompileSettings, count_compiles
-from static_decode import Generator, Llama, LlamaConfig, cpu_kernel, load_model, rope
-from static_decode.fused_decode import FusedLayers, unsupported
-from static_decode.loading import default_model_path
-from static_decode.model import run_blocks, step_attention
-from static_decode.steps import GREEDY_KINDS
+from static_decode import Generator, Llama, LlamaConfig, load_model
+from static_decode.checkpoints.loading import default_model_path
+from static_decode.kernels import cpu_kernel
+from static_decode.model import rope
+from static_decode.model.fused_decode import FusedLayers, unsupported
+from static_decode.model.llama import run_blocks, step_attention
+from static_decode.steps.functions import GREEDY_KINDS
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernels did not build here")
 needs_bf16_dot = pytest.mark.skipif(not cpu_kernel.bf16_dot(), reason="this CPU has no AVX512-BF16")

@@ -1,4 +1,4 @@
-"""Joined projections (static_decode.model.join_projections): q/k/v as one matmul, gate/up as one.
+"""Joined projections (static_decode.model.llama.join_projections): q/k/v as one matmul, gate/up as one.
 
 Pins:
 * the joined model's logits equal the unfused model's with the same weights (eager, prefill chunks and decode
@@ -17,8 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from static_decode import Llama, LlamaConfig, cpu_kernel, fused_decode, load_model
-from static_decode.parallel import TensorParallel
+from static_decode import Llama, LlamaConfig, load_model
+from static_decode.kernels import cpu_kernel
+from static_decode.model import fused_decode
+from static_decode.model.parallel import TensorParallel
 from tests.checkpoints import feed, hf_family, hf_llama, prompt, save
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=2)

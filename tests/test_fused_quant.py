@@ -14,9 +14,10 @@ import dataclasses
 import pytest
 import torch
 
-from static_decode import cpu_kernel, quant
-from static_decode.fused_decode import FusedLayers, projection_formats, unsupported
-from static_decode.quant import QuantWeight, Scheme
+from static_decode.kernels import cpu_kernel
+from static_decode.model import quant
+from static_decode.model.fused_decode import FusedLayers, projection_formats, unsupported
+from static_decode.model.quant import QuantWeight, Scheme
 from tests.test_fused_decode import CFG, cache_pair, decode_layers, random_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernels did not build here")
@@ -116,7 +117,7 @@ def test_fused_quantized_layers_refuse_bad_calls_before_writing():
     assert layers.group == 32 and len(layers.scales) == 7 * QCFG.num_layers
     k, v = cache.k.clone(), cache.v.clone()
     x = torch.randn(1, 1, QCFG.hidden_size)
-    from static_decode import rope
+    from static_decode.model import rope
 
     cos, sin = rope.cos_sin(model.inv_freq, cache.lens[:, None], model.dtype)
     n, lens_after = torch.tensor([1]), cache.lens + 1

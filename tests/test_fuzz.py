@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from static_decode import Generator, Llama, LlamaConfig, StaticKVCache, gqa_attention
-from static_decode.attention import IMPLS
+from static_decode.core.attention import IMPLS
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 V = CFG.vocab_size

@@ -16,7 +16,7 @@ import torch
 
 from capture import CaptureOptions, CompileSettings
 from static_decode import Generator, Llama, LlamaConfig, load_model
-from static_decode.steps import STEPS
+from static_decode.steps.functions import STEPS
 from tests.checkpoints import VOCAB, hf_greedy, hf_llama, save
 
 PROMPTS = [[5, 17, 33, 2, 90, 61, 7], [40, 41], [9] * 19]
@@ -250,7 +250,7 @@ def test_a_trainable_model_builds_no_autograd_graph(model):
 
 def test_launches_are_wrapped_in_nvtx_ranges(model, monkeypatch):
     """The Nsight recipes select by these names: one prefill/chunk per chunk, one sample, one decode/step per step."""
-    from static_decode import ranges
+    from static_decode.base import ranges
 
     seen: list[str] = []
 
@@ -284,7 +284,7 @@ def test_flex_attention_is_refused_for_compiled_cpu_steps():
 def test_long_chunks_prefill_the_bulk_uncompiled_and_change_no_token(pair, monkeypatch):
     """While the longest row has long_chunk tokens left, one long chunk (not a runner launch) at the exact live
     read length; the rest in chunk_size chunks through the runner. Tokens equal transformers' and long_chunk=0."""
-    import static_decode.generator as generator_module
+    import static_decode.generation.generator as generator_module
 
     hf, model = pair
     seen = []
@@ -334,6 +334,6 @@ def test_long_chunk_checks(model):
 
 
 def generator_default_long() -> int:
-    from static_decode.generator import DEFAULT_LONG_CHUNK
+    from static_decode.generation.generator import DEFAULT_LONG_CHUNK
 
     return DEFAULT_LONG_CHUNK

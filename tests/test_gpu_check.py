@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from static_decode import Llama
-from static_decode.parallel import TensorParallel
+from static_decode.model.parallel import TensorParallel
 
 SCRIPT = Path(__file__).resolve().parents[1] / "profiles" / "gpu_check.py"
 SCRIPT_TP = SCRIPT.with_name("gpu_check_tp.py")

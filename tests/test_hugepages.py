@@ -1,5 +1,5 @@
-"""Weights on transparent huge pages (static_decode.hugepages): the kernel's mode read from its sysfs text; a
-model's parameters and buffers moved into one mapping advised MADV_HUGEPAGE (the kernel's own smaps says the
+"""Weights on transparent huge pages (static_decode.checkpoints.hugepages): the kernel's mode read from its sysfs text;
+a model's parameters and buffers moved into one mapping advised MADV_HUGEPAGE (the kernel's own smaps says the
 mapping is eligible) with values, shapes and tying unchanged; `load_model` on the CPU does it; small models and
 kernels without THP are left alone.
 """
@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from static_decode import hugepages
-from static_decode.loading import default_model_path, load_model
+from static_decode.checkpoints import hugepages
+from static_decode.checkpoints.loading import default_model_path, load_model
 
 THP = sys.platform == "linux" and hugepages.thp_mode() in ("always", "madvise")
 needs_thp = pytest.mark.skipif(not THP, reason="no transparent huge pages (Linux, mode always/madvise) here")

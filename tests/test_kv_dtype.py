@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import static_decode.cache as cache_module
+import static_decode.core.cache as cache_module
 from static_decode import Generator
-from static_decode.loading import default_model_path, load_model
-from static_decode.memory import generation_bytes
+from static_decode.checkpoints.loading import default_model_path, load_model
+from static_decode.generation.memory import generation_bytes
 
 
 @pytest.fixture(scope="module")

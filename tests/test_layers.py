@@ -1,9 +1,11 @@
 """The layers of the code, read from the source with `ast`: arrows point down only, and no import cycles.
 
-    core (static_decode: config, cache, attention, ...)  <-  capture/  <-  the generator  <-  the commands
+    base, text <- kernels <- core <- model <- checkpoints <- steps <- capture/ <- generation <- commands
 
-Every import counts, also one inside a function or under `if TYPE_CHECKING:`. A module that is in no layer
-fails the test: a new module is placed on purpose. The checker itself is tested on a planted tree.
+Each folder of static_decode/ is one layer (LAYERS, bottom first): a module may import its own folder and the
+folders below, never one above, and the layer of a module is its folder's, so a new file needs no edit here. A
+module outside every folder fails the test. Every import counts, also one inside a function or under
+`if TYPE_CHECKING:`. The checker itself is tested on a planted tree.
 """
 
 from __future__ import annotations
@@ -18,31 +20,35 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("static_decode", "capture")
-CORE = {
-    f"static_decode.{name}"
-    for name in ("attention", "cache", "chat_template", "checks", "config", "cpu_kernel", "exports", "fused_decode",
-                 "hugepages",
-                 "loading", "memory", "model", "quant", "quant_cuda", "quant_io",
-                 "parallel", "progress", "projection", "ranges", "reference", "rope", "sampling", "speculation",
-                 "split_attention", "steps", "stop_strings", "verify")
-}
-GENERATOR = {"static_decode", "static_decode.conversation", "static_decode.generator", "static_decode.prefix_cache",
-             "static_decode.request",
-             "static_decode.speculative_loop", "static_decode.stats"}
-LAYER_NAMES = ("core", "capture", "generator", "commands")
+# (prefix, layer name), bottom first; the longest prefix that names a module or its package decides
+LAYERS = (
+    ("static_decode.base", "base"),
+    ("static_decode.text", "text"),
+    ("static_decode.kernels", "kernels"),
+    ("static_decode.core", "core"),
+    ("static_decode.model", "model"),
+    ("static_decode.checkpoints", "checkpoints"),
+    ("static_decode.steps", "steps"),
+    ("capture", "capture"),
+    ("static_decode.generation", "generation"),
+    ("static_decode", "generation"),  # the package's public namespace: lazy names of every layer
+    ("static_decode.commands", "commands"),
+    ("static_decode.__main__", "commands"),
+)
+# layers with nothing between them: neither may import the other (base and text share the bottom)
+RANK = {"base": 0, "text": 0, "kernels": 1, "core": 2, "model": 3, "checkpoints": 4, "steps": 5, "capture": 6,
+        "generation": 7, "commands": 8}
 
 
-def layer_of(module: str) -> int | None:
-    """0 core, 1 capture, 2 generator (and the package's public namespace), 3 commands; None: unplaced."""
-    if module in CORE:
-        return 0
-    if module == "capture" or module.startswith("capture."):
-        return 1
-    if module in GENERATOR:
-        return 2
-    if module == "static_decode.__main__" or module.startswith("static_decode.commands"):
-        return 3
-    return None
+def layer_of(module: str) -> str | None:
+    """The layer name of a module (its folder's), None when it is in none."""
+    best = None
+    for prefix, name in LAYERS:
+        if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[0])):
+            best = (prefix, name)
+    if best is None or (best[0] == "static_decode" and module != "static_decode"):
+        return None  # a module directly in static_decode/ belongs to no folder
+    return best[1]
 
 
 def modules(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
@@ -130,12 +136,14 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def violations(root: Path) -> list[str]:
     mods = modules(root)
     edges = imports(mods)
-    out = [f"{m} is in no layer (place it in tests/test_layers.py)" for m in mods if layer_of(m) is None]
+    out = [f"{m} is in no layer (put it in a folder of static_decode/)" for m in mods if layer_of(m) is None]
     for m, targets in sorted(edges.items()):
         for t in sorted(targets):
             lm, lt = layer_of(m), layer_of(t)
-            if lm is not None and lt is not None and lt > lm:
-                out.append(f"{m} ({LAYER_NAMES[lm]}) imports {t} ({LAYER_NAMES[lt]}), a layer above it")
+            if lm is None or lt is None or lm == lt:
+                continue
+            if RANK[lt] >= RANK[lm]:
+                out.append(f"{m} ({lm}) imports {t} ({lt}), a layer {'above' if RANK[lt] > RANK[lm] else 'beside'} it")
     out += [f"import cycle: {' <-> '.join(c)}" for c in cycles(edges)]
     return out
 
@@ -144,9 +152,11 @@ def test_the_project_has_no_upward_import_and_no_cycle() -> None:
     assert violations(ROOT) == []
 
 
-def test_every_layer_is_populated() -> None:
-    layers = {layer_of(m) for m in modules(ROOT)}
-    assert layers == {0, 1, 2, 3}
+def test_every_layer_is_populated_and_every_folder_is_a_layer() -> None:
+    assert {layer_of(m) for m in modules(ROOT)} == set(RANK)
+    folders = {p.parent.relative_to(ROOT).parts[1] for p in (ROOT / "static_decode").glob("*/__init__.py")}
+    assert folders == {prefix.split(".")[1] for prefix, _ in LAYERS if prefix.count(".") == 1 and
+                       not prefix.endswith("__main__")}
 
 
 def _plant(root: Path, files: dict[str, str]) -> None:
@@ -159,12 +169,19 @@ def _plant(root: Path, files: dict[str, str]) -> None:
 def test_the_checker_finds_planted_violations(tmp_path: Path) -> None:
     _plant(tmp_path, {
         "static_decode/__init__.py": "",
+        "static_decode/core/__init__.py": "",
+        "static_decode/generation/__init__.py": "",
+        "static_decode/model/__init__.py": "",
+        "static_decode/base/__init__.py": "",
+        "static_decode/text/__init__.py": "",
         # upward, inside a function
-        "static_decode/cache.py": "def f():\n    from static_decode.generator import Generator\n",
-        "static_decode/generator.py": "from static_decode import cache\n",
-        "static_decode/attention.py": "if TYPE_CHECKING:\n    import capture.runner\n",
-        "static_decode/rope.py": "from .model import x\n",  # a relative import, into a cycle
-        "static_decode/model.py": "from static_decode.rope import y\n",
+        "static_decode/core/cache.py": "def f():\n    from static_decode.generation.generator import Generator\n",
+        "static_decode/generation/generator.py": "from static_decode.core import cache\n",
+        "static_decode/core/attention.py": "if TYPE_CHECKING:\n    import capture.runner\n",
+        "static_decode/model/rope.py": "from .llama import x\n",  # a relative import, into a cycle
+        "static_decode/model/llama.py": "from static_decode.model.rope import y\n",
+        "static_decode/base/checks.py": "from static_decode.text import chat_template\n",  # beside: same rank
+        "static_decode/text/chat_template.py": "",
         "static_decode/newthing.py": "",
         "capture/__init__.py": "",
         "capture/runner.py": "from static_decode.commands.cli import main\n",
@@ -172,14 +189,17 @@ def test_the_checker_finds_planted_violations(tmp_path: Path) -> None:
         "static_decode/commands/cli.py": "import capture.runner\n",
     })
     found = violations(tmp_path)
-    assert "static_decode.newthing is in no layer (place it in tests/test_layers.py)" in found
-    assert "static_decode.cache (core) imports static_decode.generator (generator), a layer above it" in found
-    assert "static_decode.attention (core) imports capture.runner (capture), a layer above it" in found
+    assert "static_decode.newthing is in no layer (put it in a folder of static_decode/)" in found
+    assert ("static_decode.core.cache (core) imports static_decode.generation.generator (generation), a layer above "
+            "it") in found
+    assert "static_decode.core.attention (core) imports capture.runner (capture), a layer above it" in found
     assert "capture.runner (capture) imports static_decode.commands.cli (commands), a layer above it" in found
-    assert "import cycle: static_decode.model <-> static_decode.rope" in found
-    assert "import cycle: static_decode.cache <-> static_decode.generator" in found
+    assert ("static_decode.base.checks (base) imports static_decode.text.chat_template (text), a layer beside "
+            "it") in found
+    assert "import cycle: static_decode.model.llama <-> static_decode.model.rope" in found
+    assert "import cycle: static_decode.core.cache <-> static_decode.generation.generator" in found
     assert "import cycle: capture.runner <-> static_decode.commands.cli" in found
-    assert len(found) == 7
+    assert len(found) == 8, found
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["bench", "--help"], ["capture-report", "-h"]])
@@ -191,3 +211,16 @@ def test_help_does_not_load_the_compiler(argv: list[str]) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.strip().endswith("DYNAMO False"), out[-500:]
+
+
+def test_profiles_import_each_other_in_no_cycle() -> None:
+    """profiles/ scripts import one another by bare name (the folder is on sys.path): no circle among them."""
+    files = {f.stem: f for f in sorted((ROOT / "profiles").glob("*.py"))}
+    edges: dict[str, set[str]] = {m: set() for m in files}
+    for m, f in files.items():
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            edges[m] |= {n for n in names if n in files and n != m}
+    assert any(edges.values())  # the checker sees the imports at all
+    assert cycles(edges) == []

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from static_decode import LlamaConfig, load_model, load_tokenizer
-from static_decode.config import RopeConfig
-from static_decode.loading import parse_dtype
+from static_decode.checkpoints.loading import parse_dtype
+from static_decode.model.config import RopeConfig
 from tests.checkpoints import VOCAB, hf_llama, hf_logits, rewrite_config, save, to_4x_style
 
 SEQ = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]

@@ -1,16 +1,17 @@
-"""static_decode.memory: the byte count of a Generator's allocation is exact, and a size the device cannot hold
-is refused in GiB before anything is allocated."""
+"""static_decode.generation.memory: the byte count of a Generator's allocation is exact, and a size the device cannot
+hold is refused in GiB before anything is allocated."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from static_decode import Generator, memory
-from static_decode.cache import StaticKVCache
-from static_decode.config import LlamaConfig
-from static_decode.model import Llama
-from static_decode.steps import StepBuffers
+from static_decode import Generator
+from static_decode.core.cache import StaticKVCache
+from static_decode.generation import memory
+from static_decode.model.config import LlamaConfig
+from static_decode.model.llama import Llama
+from static_decode.steps.functions import StepBuffers
 
 
 def small_config(**kw) -> LlamaConfig:

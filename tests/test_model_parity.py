@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from static_decode import Generator, load_model
-from static_decode.config import RopeConfig
-from static_decode.rope import inv_freq
+from static_decode.model.config import RopeConfig
+from static_decode.model.rope import inv_freq
 from tests.checkpoints import LLAMA3_ROPE, VOCAB, feed, hf_greedy, hf_llama, hf_logits, prompt, save
 
 VARIANTS = {
@@ -87,7 +87,7 @@ def test_greedy_stops_at_eos_like_transformers(tmp_path):
 
 @pytest.mark.parametrize("impl", ["sdpa", "split_key"])
 def test_sdpa_attention_gives_the_same_logits(pair, impl, monkeypatch):
-    import static_decode.split_attention as split
+    import static_decode.core.split_attention as split
 
     monkeypatch.setattr(split, "SPLIT_BLOCK", 4)  # reads of a multiple of 4 keys split into blocks of 4
     hf, ours = pair

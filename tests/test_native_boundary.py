@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from static_decode import Generator, Llama, LlamaConfig, cpu_kernel
-from static_decode.attention import grouped_attention, resolve_impl
-from static_decode.quant import QuantWeight, Scheme
+from static_decode import Generator, Llama, LlamaConfig
+from static_decode.core.attention import grouped_attention, resolve_impl
+from static_decode.kernels import cpu_kernel
+from static_decode.model.quant import QuantWeight, Scheme
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = torch.ops.static_decode_cpu
@@ -189,7 +190,7 @@ def test_a_bad_call_raises_by_name_and_writes_nothing(outcomes: dict[str, dict],
 @needs_kernels
 def test_fused_layers_refuse_a_length_past_the_cache() -> None:
     """Through the wrapper a capture region calls: a length of 10**9 is refused by name, the cache untouched."""
-    from static_decode.fused_decode import FusedLayers
+    from static_decode.model.fused_decode import FusedLayers
 
     model = Llama(CFG, dtype=torch.float32)
     cache = model.new_cache(1, 16)
@@ -213,8 +214,8 @@ def test_supports_is_the_kernels_head_dims_for_each_isa(cap: str) -> None:
 AVX2_RUN = """
 import math, runpy, sys
 import torch
-from static_decode import cpu_kernel
-from static_decode.attention import grouped_attention
+from static_decode.kernels import cpu_kernel
+from static_decode.core.attention import grouped_attention
 
 cpu_kernel._facts.update(cap="AVX2", bf16=False)  # the AVX2 build, on any x86 CPU with AVX2
 assert cpu_kernel.available()
@@ -337,7 +338,7 @@ def test_a_killed_builds_lock_does_not_hang_the_next_process(tmp_path: Path) -> 
     copy = cpu_kernel.build_directory(root=tmp_path)
     shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "*.flock"))
     (copy / "lock").touch()
-    code = "from static_decode import cpu_kernel; assert cpu_kernel.available(); print('loaded')"
+    code = "from static_decode.kernels import cpu_kernel; assert cpu_kernel.available(); print('loaded')"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
     assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-2000:]
@@ -356,7 +357,7 @@ def test_a_build_in_progress_elsewhere_is_waited_for_then_given_up_on(tmp_path: 
         print("held", flush=True); time.sleep(600)""")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        code = "from static_decode import cpu_kernel; print('available', cpu_kernel.available())"
+        code = "from static_decode.kernels import cpu_kernel; print('available', cpu_kernel.available())"
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                               env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), cpu_kernel.WAIT_ENV: "1"})
     finally:

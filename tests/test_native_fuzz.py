@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from static_decode import cpu_kernel
+from static_decode.kernels import cpu_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = 150  # per op (and a sweep of the quantized ops' broken forms): ~25 s here, each case one call

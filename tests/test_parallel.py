@@ -21,11 +21,11 @@ import pytest
 import safetensors
 import torch
 
-import static_decode.loading as loading
+import static_decode.checkpoints.loading as loading
 from capture import CaptureReport
 from capture._dynamo_counters import has_dynamic_int
 from static_decode import Generator, Llama, LlamaConfig, load_model
-from static_decode.parallel import SINGLE, TensorParallel, shard_dim
+from static_decode.model.parallel import SINGLE, TensorParallel, shard_dim
 from tests import tp_worker
 from tests.checkpoints import hf_family, hf_llama, save
 

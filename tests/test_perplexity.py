@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from static_decode.checkpoints.loading import default_model_path, load_model, load_tokenizer
 from static_decode.commands import cli
 from static_decode.commands.perplexity import default_text_path, perplexity
-from static_decode.loading import default_model_path, load_model, load_tokenizer
 
 
 @pytest.fixture(scope="module")

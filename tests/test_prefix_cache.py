@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from static_decode import Generator, load_model
-from static_decode.loading import default_model_path
-from static_decode.prefix_cache import PrefixCache, common_prefix
+from static_decode.checkpoints.loading import default_model_path
+from static_decode.generation.prefix_cache import PrefixCache, common_prefix
 
 MAX_LEN = 160
 

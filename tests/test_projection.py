@@ -1,4 +1,4 @@
-"""The decode projection formulation (static_decode.projection): where it streams, and that it computes F.linear.
+"""The decode projection formulation (static_decode.model.projection): where it streams, and that it computes F.linear.
 
 Pins: the multiply-and-row-sum form is chosen only for one row, on the CPU, in bfloat16/float16, inside a compiled
 step; compiled by inductor it equals a float32 reference as closely as the library GEMM does (bf16 output
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from static_decode import projection
+from static_decode.model import projection
 
 
 def test_it_streams_only_one_compiled_16_bit_cpu_row():
@@ -35,7 +35,7 @@ def test_it_streams_only_one_compiled_16_bit_cpu_row():
 @pytest.mark.parametrize("shape", [(1, 1, 96), (1, 96)])
 def test_compiled_stream_equals_a_float32_reference(shape, bias, kernel, monkeypatch):
     """The streamed form (kernel=False: as on a CPU without AVX512-BF16) and the bfloat16 GEMV kernel where it runs."""
-    from static_decode import cpu_kernel
+    from static_decode.kernels import cpu_kernel
 
     if kernel and not (cpu_kernel.bf16_dot() and cpu_kernel.available()):
         pytest.skip("no AVX512-BF16 kernel here")
@@ -62,7 +62,7 @@ def test_a_head_sized_product_reads_its_row_from_one_buffer(monkeypatch):
     form as it runs without our bfloat16 GEMV kernel (a CPU without AVX512-BF16; float16 weights)."""
     import torch._inductor.config as inductor_config
 
-    from static_decode import cpu_kernel
+    from static_decode.kernels import cpu_kernel
 
     monkeypatch.setattr(cpu_kernel, "gemv_ready", lambda weight: False)
     from torch._inductor.utils import run_and_get_code

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from static_decode import StaticKVCache, gqa_attention
-from static_decode.reference import attention_vectorised
+from static_decode.core.reference import attention_vectorised
 from tests.chunked import History
 
 

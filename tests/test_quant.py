@@ -1,4 +1,4 @@
-"""Weight-only quantization (static_decode.quant): the formats, their products, and quantized models.
+"""Weight-only quantization (static_decode.model.quant): the formats, their products, and quantized models.
 
 Pins:
 * the stored formats decode to exactly what a plain reference quantizer (written here, group by group) gives:
@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from static_decode import quant
-from static_decode.quant import QuantWeight, Scheme
+from static_decode.model import quant
+from static_decode.model.quant import QuantWeight, Scheme
 
 SCHEMES = [Scheme(8), Scheme(4, 32), Scheme(4, 64), Scheme(4, 128)]
 
@@ -159,7 +159,7 @@ def test_quantized_logits_match_a_float64_dequantized_reference(spec, dtype):
     """Chunked prefill (offset mask and cache on the path) of two ragged rows. Tolerance: float32 1e-3 of the
     logits' range (accumulation order); bfloat16 3e-2 (activations rounded to 8 bits at every layer)."""
     from static_decode import load_model
-    from static_decode.loading import default_model_path
+    from static_decode.checkpoints.loading import default_model_path
     from tests.checkpoints import feed
 
     model = load_model(default_model_path(), dtype=dtype)
@@ -177,7 +177,7 @@ def test_quantized_logits_match_a_float64_dequantized_reference(spec, dtype):
 def test_weight_bytes_count_the_quantized_weights():
     """int8: a byte per weight and a scale per output row; the tied head gets its own copy, the embedding stays."""
     from static_decode import load_model
-    from static_decode.loading import default_model_path
+    from static_decode.checkpoints.loading import default_model_path
 
     model = load_model(default_model_path(), dtype=torch.bfloat16)
     c = model.config
@@ -189,7 +189,7 @@ def test_weight_bytes_count_the_quantized_weights():
     quant.quantize_model(model, "int8")
     head = c.vocab_size * c.hidden_size + c.vocab_size * 2
     assert quant.weight_bytes(model) == embed + norms + linears + rows * 2 + head
-    from static_decode import memory
+    from static_decode.generation import memory
 
     assert memory.weight_bytes(model) == quant.weight_bytes(model)
     assert memory.read_bytes(model) == quant.read_bytes(model) == quant.weight_bytes(model) - embed + c.hidden_size * 2
@@ -201,15 +201,15 @@ def test_compiled_generator_decodes_quantized_through_the_fused_layers(spec):
     projections, prefill chunks the compiled regions, and greedy tokens equal eager's."""
     from capture import CaptureOptions
     from static_decode import Generator, load_model
-    from static_decode.loading import default_model_path
-    from static_decode.steps import GREEDY_KINDS
+    from static_decode.checkpoints.loading import default_model_path
+    from static_decode.steps.functions import GREEDY_KINDS
 
     torch._dynamo.reset()
     model = quant.quantize_model(load_model(default_model_path()), spec)
     eager = Generator(model, max_len=64, chunk_size=16, batch=1)
     gen = Generator(model, max_len=64, chunk_size=16, batch=1, compile=True,
                     capture=CaptureOptions(buckets=(64,), kinds=GREEDY_KINDS, progress=False))
-    from static_decode import cpu_kernel
+    from static_decode.kernels import cpu_kernel
 
     assert (gen.runner.regions.fused is not None) == cpu_kernel.available(), gen.runner.regions.fused_why
     for prompt in ([5, 9, 2, 7, 7, 1, 3], list(range(1, 30))):
@@ -223,8 +223,8 @@ def test_compiled_generator_decodes_quantized_with_eager_tokens():
     recorded): the compiled regions run both products, and greedy tokens equal eager's."""
     from capture import CaptureOptions
     from static_decode import Generator, load_model
-    from static_decode.loading import default_model_path
-    from static_decode.steps import GREEDY_KINDS
+    from static_decode.checkpoints.loading import default_model_path
+    from static_decode.steps.functions import GREEDY_KINDS
 
     torch._dynamo.reset()
     model = quant.quantize_model(load_model(default_model_path()), "int8")
@@ -251,7 +251,7 @@ def test_read_bytes_count_what_a_decode_step_reads():
     """A tied float model's head is the embedding (read whole); quantized, the head reads its own copy and the
     embedding is one looked-up row a step: the bench's bytes floor counts that."""
     from static_decode import load_model
-    from static_decode.loading import default_model_path
+    from static_decode.checkpoints.loading import default_model_path
 
     model = load_model(default_model_path())
     assert quant.read_bytes(model) == quant.weight_bytes(model)
@@ -289,7 +289,7 @@ def _tp_results(ckpt, tp, spec):
 def _tp_rank(rank, world, port, ckpt, dest):
     import torch.distributed as dist
 
-    from static_decode.parallel import TensorParallel
+    from static_decode.model.parallel import TensorParallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -306,7 +306,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     (to float32 summation order) and the greedy tokens equal."""
     import torch.multiprocessing as mp
 
-    from static_decode.parallel import SINGLE
+    from static_decode.model.parallel import SINGLE
     from tests import tp_worker
     from tests.checkpoints import hf_llama, save
 

@@ -1,4 +1,4 @@
-"""The quantized products written for CUDA (static_decode.quant_cuda), run on CPU tensors, eagerly and compiled
+"""The quantized products written for CUDA (static_decode.model.quant_cuda), run on CPU tensors, eagerly and compiled
 by inductor's CPU backend, and the setting that picks the int4 one (`quant.use_int4_kernel`).
 
 Pins:
@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
-from static_decode import Llama, LlamaConfig, quant, quant_cuda
-from static_decode.quant import QuantWeight, Scheme
+from static_decode import Llama, LlamaConfig
+from static_decode.model import quant, quant_cuda
+from static_decode.model.quant import QuantWeight, Scheme
 
 N, K = 256, 1024  # a weight whose [N, K] is far larger than anything else a one-row product needs
 SCHEMES = [Scheme(8), Scheme(4, 32), Scheme(4, 64), Scheme(4, 128)]

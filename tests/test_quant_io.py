@@ -1,4 +1,5 @@
-"""Quantized checkpoints (static_decode.quant_io, `static-decode quantize`): saved once, loaded without quantizing.
+"""Quantized checkpoints (static_decode.checkpoints.quant_io, `static-decode quantize`): saved once, loaded without
+quantizing.
 
 Pins:
 * a saved and reloaded model holds the in-memory quantized model's tensors exactly, so its logits are equal to
@@ -22,9 +23,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from static_decode import Generator, load_model, quant, quant_io
-from static_decode.loading import default_model_path
-from static_decode.parallel import TensorParallel, shard_dim
+from static_decode import Generator, load_model
+from static_decode.checkpoints import quant_io
+from static_decode.checkpoints.loading import default_model_path
+from static_decode.model import quant
+from static_decode.model.parallel import TensorParallel, shard_dim
 from tests.checkpoints import feed, hf_llama, save
 
 ROWS = [list(range(3, 40)), [7, 1, 99, 4]]  # ragged, through chunked prefill

@@ -1,4 +1,4 @@
-"""NVTX ranges (static_decode/ranges.py): balanced push/pop with the right names, and a no-op without nvtx.
+"""NVTX ranges (static_decode/base/ranges.py): balanced push/pop with the right names, and a no-op without nvtx.
 
 Pins: a range pops even when the body raises (an unbalanced NVTX stack corrupts every later range in the
 Nsight timeline); the names are the documented ones; the library imports and runs when `nvtx` is missing.
@@ -12,12 +12,12 @@ import types
 
 import pytest
 
-import static_decode.ranges as ranges
+import static_decode.base.ranges as ranges
 
 
 @pytest.fixture
 def reload_ranges():
-    """Reload static_decode.ranges under a patched sys.modules; restore the real module afterwards."""
+    """Reload static_decode.base.ranges under a patched sys.modules; restore the real module afterwards."""
 
     def load(nvtx_module):
         sys.modules["nvtx"] = nvtx_module  # None makes `import nvtx` raise ImportError

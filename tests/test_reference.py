@@ -8,7 +8,7 @@ head h to the wrong KV head, they would disagree on these trials.
 import numpy as np
 import pytest
 
-from static_decode.reference import attention_direct, attention_vectorised
+from static_decode.core.reference import attention_direct, attention_vectorised
 from tests.chunked import History, schedule
 
 

@@ -14,7 +14,7 @@ from capture import CaptureOptions, CompileSettings, count_compiles
 from capture.regions import spans
 from capture.settings import CPU_LAYER_REGIONS, CPU_OPTIONS
 from static_decode import Generator, Llama, LlamaConfig, load_model
-from static_decode.loading import default_model_path
+from static_decode.checkpoints.loading import default_model_path
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2)
 REGIONS = CompileSettings(backend="eager", symbolic_read_len=True, layer_regions=2)

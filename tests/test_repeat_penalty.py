@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from capture import CaptureOptions, CompileSettings
-from static_decode import Generator, load_model, sampling
-from static_decode.conversation import Conversation
-from static_decode.speculation import PromptLookup
+from static_decode import Generator, load_model
+from static_decode.generation.conversation import Conversation
+from static_decode.steps import sampling
+from static_decode.steps.speculation import PromptLookup
 from tests.checkpoints import hf_llama, hf_logits, save
 
 PROMPT = [5, 17, 33, 2, 90, 61, 7, 5, 17]
@@ -153,7 +154,7 @@ def test_compiled_token_record_marks_seen_in_place():
     at SmolLM2's vocabulary); the generated code then allocates a [1, V + 1] buffer and loops over V + 1."""
     from torch._inductor.utils import run_and_get_code
 
-    from static_decode import steps
+    from static_decode.steps import functions as steps
 
     V = 100_000
     bufs = steps.StepBuffers.allocate(1, 4, 32, 8, 1, dtype=torch.float32, device=torch.device("cpu"), vocab=V)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from static_decode import Generator, load_model
-from static_decode.sampling import MASK32, _mul32, mix32, mix32_host, probabilities, row_seed, sample, uniform
+from static_decode.steps.sampling import MASK32, _mul32, mix32, mix32_host, probabilities, row_seed, sample, uniform
 from tests.checkpoints import hf_llama, save
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -207,7 +207,7 @@ def test_stream_draws_what_generate_draws(model):
 def test_a_tiny_temperature_is_its_limit_the_argmax():
     """Down to float32's smallest normal temperature the draw is the argmax (logits / T would overflow to inf and
     the draw would be arbitrary); a tie is split between the tied tokens only."""
-    from static_decode.request import TINIEST_TEMPERATURE
+    from static_decode.generation.request import TINIEST_TEMPERATURE
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 96, generator=g) * 20  # [B, V]

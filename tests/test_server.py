@@ -33,8 +33,8 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 from static_decode import Generator, load_model  # noqa: E402
-from static_decode.chat_template import load_chat_template  # noqa: E402
-from static_decode.loading import default_model_path, load_tokenizer  # noqa: E402
+from static_decode.checkpoints.loading import default_model_path, load_tokenizer  # noqa: E402
+from static_decode.text.chat_template import load_chat_template  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LEN = 512

@@ -17,8 +17,8 @@ import torch
 
 from capture import CaptureOptions
 from static_decode import Conversation, DraftModel, Generator, PromptLookup, load_model
-from static_decode.speculation import NgramIndex, SpeculationPolicy
-from static_decode.verify import lookup_draft, sampled_accept
+from static_decode.steps.speculation import NgramIndex, SpeculationPolicy
+from static_decode.steps.verify import lookup_draft, sampled_accept
 from tests.checkpoints import VOCAB, hf_llama, save
 
 # Repetitive prompts give prompt lookup matches; the third row is ragged and short.
@@ -256,9 +256,9 @@ class AlternatingPolicy(SpeculationPolicy):
 def test_draft_model_keeps_its_cache_through_plain_pauses(models, monkeypatch):
     """While speculation pauses, draft_follow feeds the draft each token: with the target as its own draft,
     every verify step after a pause still accepts everything (a stale draft cache would not)."""
-    import static_decode.generator
+    import static_decode.generation.generator
 
-    monkeypatch.setattr(static_decode.generator, "SpeculationPolicy", AlternatingPolicy)
+    monkeypatch.setattr(static_decode.generation.generator, "SpeculationPolicy", AlternatingPolicy)
     target = models[0]
     spec = DraftModel(target, tokens=3, pause_steps=3)
     gen = Generator(target, max_len=96, chunk_size=8, eos_token_ids=[], speculate=spec, read_every=2)
@@ -335,7 +335,7 @@ RAGGED = [b"def foo(x):\n    return foo(x)\ndef foo(x):\n", b"import os\nimport 
 
 @pytest.fixture(scope="module")
 def embedded():
-    from static_decode.loading import default_model_path
+    from static_decode.checkpoints.loading import default_model_path
 
     return load_model(default_model_path())
 
@@ -345,7 +345,7 @@ def embedded():
 def test_ragged_rows_finishing_at_different_steps_equal_plain_decode(embedded, spec, kernel, monkeypatch):
     """Rows of different lengths that finish at different steps (by EOS, or at max_new_tokens with read_every 3):
     the tokens equal plain decode's on the CPU kernel path and off it, with every speculation kind."""
-    from static_decode import cpu_kernel
+    from static_decode.kernels import cpu_kernel
 
     if kernel and not cpu_kernel.available():
         pytest.skip("the CPU kernels are not built here")
@@ -419,7 +419,7 @@ def test_seeded_lookup_draws_the_same_whatever_prefix_was_cached(embedded, skip)
     """Prompt lookup searches the whole sequence, the reused prefix too: a seeded request through PrefixCache, or a
     conversation's turn, draws exactly what the same tokens sent to a fresh generator draw (the drafts, hence the
     draws and the steps, depend on what the lookup searched)."""
-    from static_decode.prefix_cache import PrefixCache
+    from static_decode.generation.prefix_cache import PrefixCache
 
     spec = PromptLookup(tokens=4, ngram=2, min_tokens_per_step=0, skip_unmatched=skip)
     prompt = list(b"def foo(x):\n    return foo(x) + 1\n\n\ndef foo(x):\n    ret")

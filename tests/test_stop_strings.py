@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from static_decode.stop_strings import StopStrings
+from static_decode.text.stop_strings import StopStrings
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, bool]:

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from capture import BucketLadder, CaptureOptions, CompileSettings
 from static_decode import Generator, load_model
-from static_decode.parallel import SINGLE, TensorParallel
+from static_decode.model.parallel import SINGLE, TensorParallel
 
 PROMPTS = [[5, 17, 33, 2, 90, 61, 7, 8, 1], [40, 41], [9] * 13]  # ragged: 9, 2, 13 tokens
 NEW_TOKENS = 10

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from capture.settings import CaptureOptions
-from static_decode.loading import load_model
-from static_decode.model import Llama
-from static_decode.speculation import DEFAULT_NGRAM, DEFAULT_TOKENS, DraftModel, PromptLookup, Speculation
-from static_decode.steps import GREEDY_KINDS, SAMPLED_KINDS
-from static_decode.verify import speculative_kinds
+from static_decode.checkpoints.loading import load_model
+from static_decode.model.llama import Llama
+from static_decode.steps.functions import GREEDY_KINDS, SAMPLED_KINDS
+from static_decode.steps.speculation import DEFAULT_NGRAM, DEFAULT_TOKENS, DraftModel, PromptLookup, Speculation
+from static_decode.steps.verify import speculative_kinds
 
 if TYPE_CHECKING:
     import torch
@@ -194,8 +194,8 @@ def speculation(args: argparse.Namespace, model: Llama) -> Speculation | None:
 
 def add_quantize_argument(p: argparse.ArgumentParser) -> None:
     """--quantize (generate, demo, chat, serve, capture-report; bench takes several forms, its own option):
-    weight-only int8 / int4 (static_decode.quant)."""
-    from static_decode.quant import CHOICES
+    weight-only int8 / int4 (static_decode.model.quant)."""
+    from static_decode.model.quant import CHOICES
 
     p.add_argument("--quantize", default=None, choices=CHOICES,
                    help="weight-only quantization of every projection and the LM head: int8 (per output channel) "

@@ -23,6 +23,7 @@ import torch
 from capture.compile_cache import cache_counts
 from capture.report import CaptureReport
 from capture.settings import CaptureOptions, CompileSettings
+from static_decode.checkpoints.loading import default_model_path, load_model
 from static_decode.commands.args import (
     add_quantize_argument,
     add_threads_argument,
@@ -32,8 +33,7 @@ from static_decode.commands.args import (
     int_list,
     name_list,
 )
-from static_decode.generator import DEFAULT_CHUNK_SIZE, Generator
-from static_decode.loading import default_model_path, load_model
+from static_decode.generation.generator import DEFAULT_CHUNK_SIZE, Generator
 
 
 def build_report(

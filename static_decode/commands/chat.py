@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from static_decode.chat_template import ChatTemplate, load_chat_template
+from static_decode.checkpoints.loading import default_model_path, load_model, load_tokenizer
 from static_decode.commands.args import (
     add_quantize_argument,
     add_speculation_arguments,
@@ -33,9 +33,9 @@ from static_decode.commands.args import (
     speculation,
 )
 from static_decode.commands.streaming import write_stream
-from static_decode.conversation import Conversation
-from static_decode.generator import DEFAULT_CHUNK_SIZE, Generator
-from static_decode.loading import default_model_path, load_model, load_tokenizer
+from static_decode.generation.conversation import Conversation
+from static_decode.generation.generator import DEFAULT_CHUNK_SIZE, Generator
+from static_decode.text.chat_template import ChatTemplate, load_chat_template
 
 DEFAULT_MAX_LEN = 4096  # cache positions for the whole conversation (capped by the model's own limit)
 
@@ -119,7 +119,7 @@ def read_line(stream: Any) -> tuple[str, str]:
 
 def run_chat(args: argparse.Namespace) -> int:
     """The chat loop. Under torchrun every rank runs it over its shard; rank 0 reads stdin and shares each line."""
-    from static_decode.parallel import SINGLE
+    from static_decode.model.parallel import SINGLE
 
     launch = getattr(args, "launch", None)  # set under torchrun: this rank's shard and device
     tp = launch.tp if launch is not None else SINGLE

@@ -2,11 +2,10 @@
 
 Subcommands come from the modules named in `COMMAND_MODULES`, imported when the parser is built. A module
 joins by defining `add_parser(subparsers) -> None`, which adds its parser(s) and sets `run=<fn(args) -> int>`
-on each with `set_defaults`. A listed module that does not exist (or does not define `add_parser` yet) adds
-nothing; any other import error is raised. Building the parser imports no compiler (torch._dynamo): the
-commands load what they run inside their `run`.
+on each with `set_defaults`; a listed module that is missing, or lacks `add_parser`, raises. Building the parser
+imports no compiler (torch._dynamo): the commands load what they run inside their `run`.
 
-Under torchrun (WORLD_SIZE > 1, static_decode.launch) commands that set `distributed=True` run on every rank
+Under torchrun (WORLD_SIZE > 1, static_decode.commands.launch) commands that set `distributed=True` run on every rank
 with `args.launch` telling them their rank, device and shard; the others refuse to start.
 """
 
@@ -23,8 +22,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "static_decode.commands.generate",
     "static_decode.commands.chat",
     "static_decode.commands.capture_report",
-    "static_decode.commands.bench",
-    "static_decode.commands.serve",
+    "static_decode.commands.bench.command",
+    "static_decode.commands.serve.command",
     "static_decode.commands.perplexity",
     "static_decode.commands.quantize",
 )
@@ -40,16 +39,8 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="static-decode", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name is not None and (name == e.name or name.startswith(e.name + ".")):  # not there yet
-                continue
-            raise
-        add = getattr(module, "add_parser", None)
-        if add is not None:
-            add(subparsers)
+    for name in COMMAND_MODULES:  # a missing module or one without add_parser raises: nothing is skipped
+        importlib.import_module(name).add_parser(subparsers)
     return parser
 
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from static_decode.chat_template import load_chat_template
+from static_decode.checkpoints.loading import default_model_path, load_model, load_tokenizer
 from static_decode.commands.args import (
     add_quantize_argument,
     add_speculation_arguments,
@@ -25,9 +25,9 @@ from static_decode.commands.args import (
     speculation,
 )
 from static_decode.commands.streaming import write_stream
-from static_decode.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
-from static_decode.loading import default_model_path, load_model, load_tokenizer
-from static_decode.stats import GenerationStats
+from static_decode.generation.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
+from static_decode.generation.stats import GenerationStats
+from static_decode.text.chat_template import load_chat_template
 
 DEMO_PROMPT = "def "
 # What `demo` says first: its output is not meant to answer anything.
@@ -122,7 +122,7 @@ def _prompt_text(args: argparse.Namespace) -> str | None:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Load, generate one prompt (streaming the output), print a timing summary on stderr."""
-    from static_decode.parallel import SINGLE
+    from static_decode.model.parallel import SINGLE
 
     if args.max_new_tokens < 1:  # checked first: the default max_len is derived from it
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

@@ -23,7 +23,7 @@ from typing import TextIO
 import torch
 
 from static_decode.commands.args import check_device
-from static_decode.parallel import SINGLE, TensorParallel
+from static_decode.model.parallel import SINGLE, TensorParallel
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 

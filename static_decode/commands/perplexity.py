@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
+from static_decode.base.progress import progress_bar
+from static_decode.checkpoints.loading import default_model_path, load_model, load_tokenizer
 from static_decode.commands.args import add_threads_argument, apply_threads, check_device
-from static_decode.loading import default_model_path, load_model, load_tokenizer
-from static_decode.model import Llama
-from static_decode.progress import progress_bar
-from static_decode.quant import scheme_of
+from static_decode.model.llama import Llama
+from static_decode.model.quant import scheme_of
 
 DEFAULT_TOKENS = 1024
 DEFAULT_CHUNK = 256
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from static_decode.quant import CHOICES
+    from static_decode.model.quant import CHOICES
 
     p = subparsers.add_parser("perplexity", help="perplexity of a text through the chunked prefill",
                               description=__doc__.splitlines()[0])

@@ -1,5 +1,5 @@
-"""`static-decode quantize`: quantize a float checkpoint once and save it (static_decode.quant_io), so that every
-command takes the saved directory as `--model` and loads it without quantizing again.
+"""`static-decode quantize`: quantize a float checkpoint once and save it (static_decode.checkpoints.quant_io), so that
+every command takes the saved directory as `--model` and loads it without quantizing again.
 
     static-decode quantize --model DIR --quantize int4 --out DIR2 [--dtype bfloat16] [-t N]
 """
@@ -10,10 +10,10 @@ import argparse
 import time
 from pathlib import Path
 
+from static_decode.checkpoints.loading import default_model_path, load_model
+from static_decode.checkpoints.quant_io import WEIGHT_SUFFIXES, WEIGHTS_FILE, save_quantized, stored_quantization
 from static_decode.commands.args import add_threads_argument, apply_threads, check_checkpoint
-from static_decode.loading import default_model_path, load_model
-from static_decode.quant import CHOICES, quantize_model, weight_bytes
-from static_decode.quant_io import WEIGHT_SUFFIXES, WEIGHTS_FILE, save_quantized, stored_quantization
+from static_decode.model.quant import CHOICES, quantize_model, weight_bytes
 
 MB = 1e6
 

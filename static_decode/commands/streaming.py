@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from static_decode.stop_strings import StopStrings
+from static_decode.text.stop_strings import StopStrings
 
 
 @dataclass
@@ -34,7 +34,7 @@ def write_stream(
     so the text equals `tokenizer.decode(ids)`.
 
     With `stops`, text that could be the start of a stop string is held back until it is settled
-    (static_decode.stop_strings); at the first stop string the text before it is written, nothing from it on, and
+    (static_decode.text.stop_strings); at the first stop string the text before it is written, nothing from it on, and
     the token stream is closed (a generator stream stops decoding there)."""
     from tokenizers.decoders import DecodeStream
 

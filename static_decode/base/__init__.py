@@ -1,0 +1,1 @@
+"""Helpers every layer uses: argument checks, lazy exports, progress bars, profiler ranges."""

@@ -1,0 +1,1 @@
+"""Loading checkpoints: save_pretrained directories, quantized checkpoints, weights on huge pages."""

@@ -1,0 +1,243 @@
+"""Load a transformers `save_pretrained` directory: config.json, safetensors weights, tokenizer, EOS ids.
+
+Weights are read with the `safetensors` library from `model.safetensors` or from the shards listed in
+`model.safetensors.index.json`. Every tensor's name and shape is checked against the config before any data
+is read, and errors name the key and the file. The model is built on the meta device and the loaded tensors
+are assigned in place, so nothing is initialised twice.
+
+Under tensor parallelism (`tp`) a rank reads only its slice of each split tensor (`safe_open(...).get_slice`
+reads just those bytes of the memory-mapped file), so no rank ever materialises the whole model; replicated
+tensors (embedding, norms, LM head, row-parallel biases) are read whole by every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from static_decode.checkpoints import quant_io
+from static_decode.checkpoints.hugepages import to_huge_pages
+from static_decode.model.config import LlamaConfig, eos_ids
+from static_decode.model.llama import Llama, hf_name, join_projections
+from static_decode.model.parallel import SINGLE, TensorParallel, shard_dim
+from static_decode.model.quant import Scheme, parse, quantize_model
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Keys some checkpoints carry that hold nothing we need: rotary tables are recomputed from the config.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def default_model_path() -> Path:
+    """The embedded default checkpoint shipped inside the package (static_decode/default_model)."""
+    return Path(str(resources.files("static_decode") / "default_model"))
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch dtype from a dtype or its name ("bfloat16", "bf16", "float32", ...)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with path.open() as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path) -> LlamaConfig:
+    """The model config of a checkpoint directory, EOS ids from generation_config.json when it has them."""
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {root}")
+    hf = _read_json(root / "config.json")
+    config = LlamaConfig.from_hf(hf)
+    gen_path = root / "generation_config.json"
+    if gen_path.is_file():
+        gen = _read_json(gen_path)
+        if gen.get("eos_token_id") is not None:
+            ids = eos_ids(gen["eos_token_id"], "generation_config.json key 'eos_token_id'")
+            hf = {**hf, "eos_token_id": list(ids)}
+            config = LlamaConfig.from_hf(hf)
+    return config
+
+
+def _reason(error: BaseException) -> str:
+    """The first line of an error from a file reader (the Rust readers' messages can run over several)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+@contextlib.contextmanager
+def _open(file: Path) -> Iterator[Any]:
+    """`safe_open(file)`, with a damaged file (truncated by an interrupted download or copy, or not safetensors at
+    all) refused as a ValueError naming the file: the reader's own SafetensorError names neither file nor cause."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"{file} is truncated or corrupt: {_reason(e)}") from e
+
+
+def weight_files(root: Path) -> dict[str, Path]:
+    """Map every stored tensor name to its safetensors file (from the index when sharded)."""
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' object")
+        files = {key: root / name for key, name in weight_map.items()}
+        for key, file in files.items():
+            if not file.is_file():
+                raise FileNotFoundError(f"{INDEX_FILE} maps {key!r} to {file.name}, which does not exist")
+        return files
+    single = root / SINGLE_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
+    with _open(single) as f:
+        return {key: single for key in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    tp: TensorParallel = SINGLE,
+    fused_projections: bool = True,
+    quantize: str | Scheme | None = None,
+) -> Llama:
+    """Load a Llama-family checkpoint written by transformers' save_pretrained.
+
+    dtype defaults to the checkpoint's (that of its embedding); device defaults to the CPU. EOS ids land in
+    `model.config.eos_token_ids`. With `tp`, the model is this rank's shard (see static_decode.model.parallel) and
+    only its slices are read. `fused_projections`: q/k/v and gate/up joined into one weight each (Llama's
+    default; see static_decode.model.llama.join_projections). `quantize` ("int8", "int4", "int4-g64", ...): every
+    projection and the LM head weight-only quantized once loaded (static_decode.model.quant); a checkpoint saved
+    quantized (static_decode.checkpoints.quant_io) loads as it was saved, `quantize` its scheme or None. CPU weights end
+    on transparent huge pages where Linux offers them (static_decode.checkpoints.hugepages). Raises, naming the key,
+    on an unsupported architecture or rope type, a missing, unexpected or mis-shaped tensor, or a tensor-parallel
+    world size that does not fit the model.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {root} does not exist")
+    config = load_config(root)
+    if not isinstance(tp, TensorParallel):
+        raise TypeError(f"tp must be a static_decode.model.parallel.TensorParallel, got {type(tp).__name__}")
+    tp.check(config)  # before any tensor is read
+    # a checkpoint saved quantized (static_decode.checkpoints.quant_io); None: float
+    stored = quant_io.stored_quantization(root)
+    if stored is not None:
+        model = quant_io.load_quantized(root, config, stored, dtype=parse_dtype(dtype), device=device, tp=tp,
+                                        fused_projections=fused_projections, quantize=parse(quantize))
+        to_huge_pages(model)
+        return model
+    files = weight_files(root)
+    dtype = parse_dtype(dtype)
+    scheme = parse(quantize)  # a bad name refused before any tensor is read
+    device = torch.device(device if device is not None else "cpu")
+
+    # Whole-model shapes in the checkpoint's layout (q/k/v and gate/up apart): what the files must hold.
+    meta = Llama(config, dtype=torch.float32, device="meta", fused_projections=False)
+    wanted = {hf_name(name): tuple(p.shape) for name, p in meta.named_parameters()}
+    split = {hf_name(name): shard_dim(name) for name, _ in meta.named_parameters()}
+    missing = [k for k in wanted if k not in files]
+    if missing:
+        raise KeyError(f"checkpoint {root} lacks tensor(s): {', '.join(missing)}")
+    unexpected = [
+        k
+        for k in files
+        if k not in wanted
+        and not k.endswith(IGNORED_SUFFIXES)
+        # A tied checkpoint may still store the head; it is the embedding, so it is not needed.
+        and not (k == "lm_head.weight" and config.tie_word_embeddings)
+    ]
+    if unexpected:
+        raise KeyError(
+            f"checkpoint {root} has tensor(s) the config does not describe: {', '.join(unexpected)}"
+        )
+
+    by_file: dict[Path, list[str]] = {}
+    for key in wanted:
+        by_file.setdefault(files[key], []).append(key)
+    for file, keys in by_file.items():  # check every shape before reading any data
+        with _open(file) as f:
+            for key in keys:
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != wanted[key]:
+                    raise ValueError(
+                        f"tensor {key!r} in {file.name} has shape {shape}, the config needs {wanted[key]}"
+                    )
+    if dtype is None:
+        with _open(files["model.embed_tokens.weight"]) as f:
+            dtype = f.get_slice("model.embed_tokens.weight").get_dtype()
+            dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(dtype)
+        if dtype is None:
+            raise ValueError("the checkpoint's embedding dtype is not a float type; pass dtype=")
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file, keys in by_file.items():
+        with _open(file) as f:
+            for key in keys:
+                tensors[key] = _read(f, key, split[key], wanted[key], tp).to(device=device, dtype=dtype)
+    model = Llama(config, dtype=dtype, device="meta", tp=tp, fused_projections=fused_projections)
+    state = {name: tensors.pop(hf_name(name)) for name, _ in meta.named_parameters()}
+    # q/k/v and gate/up joined here, once, each layer's parts freed as it goes; under tp from this rank's slices.
+    join_projections(model, state)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.reset_rope()
+    if scheme is not None:  # after slicing: a rank quantizes its own slices (static_decode.model.quant)
+        quantize_model(model, scheme)
+    to_huge_pages(model)  # CPU weights onto transparent huge pages: a decode step streams them
+    return model.eval().requires_grad_(False)
+
+
+def _read(f, key: str, dim: int | None, shape: tuple[int, ...], tp: TensorParallel) -> torch.Tensor:
+    """Tensor `key` of an open safetensors file, or only this rank's slice along `dim` of it."""
+    if dim is None or not tp.enabled:
+        return f.get_tensor(key)
+    start, stop = tp.span(shape[dim])
+    part = f.get_slice(key)
+    return part[start:stop] if dim == 0 else part[:, start:stop]
+
+
+def load_tokenizer(path: str | Path):  # -> tokenizers.Tokenizer | None
+    """The `tokenizers` Tokenizer of a checkpoint directory, or None when it has no tokenizer.json.
+
+    A tokenizer.json that `tokenizers` cannot parse raises ValueError naming the file and the reason.
+    """
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception for bad JSON or an unknown model layout
+        raise ValueError(f"{file} is not a valid tokenizer file: {_reason(e)}") from e

@@ -1,0 +1,1 @@
+"""`static-decode serve`: the OpenAI-compatible HTTP server over one decode worker."""

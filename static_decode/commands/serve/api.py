@@ -1,0 +1,275 @@
+"""The OpenAI API's request bodies, checked: what `static-decode serve` accepts, and its error bodies.
+
+Every check runs before a request is queued, so a refused request changes nothing on the server. A refusal is
+an `APIError`: an HTTP status and OpenAI's error body, {"error": {"message", "type", "param", "code"}}.
+Extensions: `top_k`, `ignore_eos`, `repeat_penalty`. Fields the API defines and this server does not use
+(penalties, logit_bias, user, ...) are accepted and ignored, as llama.cpp's server does; those whose meaning it
+cannot honour (`n` > 1, several prompts) are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from static_decode.generation.request import check_request
+from static_decode.text.chat_template import ROLES, ChatTemplate
+
+
+class APIError(Exception):
+    """A refused request: HTTP `status` and OpenAI's error body."""
+
+    def __init__(
+        self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+        code: str | None = None, headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The server's defaults for what a request leaves out (the command line's sampling options)."""
+
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    repeat_penalty: float | None = None
+    max_tokens: int | None = None  # None: up to the cache's end
+
+
+@dataclass(frozen=True)
+class Context:
+    """What checking a request needs to know about the served model."""
+
+    model_name: str
+    tokenizer: Any  # tokenizers.Tokenizer
+    template: ChatTemplate | None
+    vocab_size: int
+    max_len: int
+    draft_slots: int = 0
+    defaults: Sampling = field(default_factory=Sampling)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A checked request of either endpoint: the prompt's token ids and how to decode."""
+
+    chat: bool
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool = False  # extension (as in vLLM and llama.cpp): decode max_tokens whatever the model emits
+    repeat_penalty: float | None = None  # extension (as in llama.cpp): divide seen tokens' positive logits by it
+
+
+def _bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+# Fields peers' clients send that change the output, which this server does not honour: a request that sets one to
+# anything but its neutral value is refused (400 naming it), never answered as if it were not there. field -> the
+# values that leave the output as it is.
+UNHONOURED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "min_p": (None, 0, 0.0),
+    "typical_p": (None, 1, 1.0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "grammar": (None, ""),  # llama.cpp's
+    "json_schema": (None, {}),  # llama.cpp's
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),  # vLLM's
+}
+
+
+def _unhonoured(body: dict[str, Any]) -> None:
+    """400 for the first field in UNHONOURED set to a value other than its neutral ones."""
+    for name, neutral in UNHONOURED.items():
+        v = body.get(name)
+        if not any(v == n and type(v) is type(n) or (v is None and n is None) for n in neutral):
+            shown = json.dumps(v)[:80] if _jsonable(v) else repr(v)[:80]
+            allowed = " or ".join("null" if n is None else json.dumps(n) for n in neutral)
+            raise _bad(f"{name} is not supported by this server (got {shown}); leave it out or set it to {allowed}",
+                       name)
+
+
+def _jsonable(v: Any) -> bool:
+    try:
+        json.dumps(v)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _encode(ctx: Context, text: str, param: str, **kw: Any) -> list[int]:
+    """The tokenizer's ids of `text`, or a 400 naming `param` (a lone surrogate, say, which JSON allows)."""
+    try:
+        text.encode("utf-8")
+        return ctx.tokenizer.encode(text, **kw).ids
+    except UnicodeEncodeError as e:
+        raise _bad(f"{param} is not valid Unicode text: a lone surrogate {ord(text[e.start]):#06x} at character "
+                   f"{e.start}", param) from e
+    except Exception as e:  # noqa: BLE001 - whatever the tokenizer refuses is the request's fault
+        raise _bad(f"{param} cannot be tokenized: {type(e).__name__}: {e}", param) from e
+
+
+def _number(body: dict[str, Any], name: str, default: float | None, lo: float, hi: float) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
+        raise _bad(f"{name} must be a number in [{lo}, {hi}], got {v!r}", name)
+    return float(v)
+
+
+def _int(body: dict[str, Any], name: str, default: int | None, minimum: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise _bad(f"{name} must be an integer >= {minimum}, got {v!r}", name)
+    return v
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise _bad(f"stop must be a non-empty string or a list of them, got {v!r}", "stop")
+    return tuple(stops)
+
+
+def _content(i: int, message: Any) -> dict[str, str]:
+    """One message as the template takes it; content given as text parts is joined."""
+    if not isinstance(message, dict):
+        raise _bad(f"messages[{i}] must be an object with 'role' and 'content', got {message!r}", "messages")
+    role, content = message.get("role"), message.get("content")
+    if role not in ROLES:
+        raise _bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        content = "".join(p.get("text") if isinstance(p.get("text"), str) else "\0" for p in content)
+        if "\0" in content:
+            content = None
+    if not isinstance(content, str):
+        raise _bad(f"messages[{i}].content must be a string or a list of text parts, got {content!r}", "messages")
+    return {"role": role, "content": content}
+
+
+def _body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _bad(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise _bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _prompt_ids(body: dict[str, Any], ctx: Context, chat: bool) -> list[int]:
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _bad(f"messages must be a non-empty list of messages, got {messages!r}", "messages")
+        checked = [_content(i, m) for i, m in enumerate(messages)]
+        if ctx.template is None:
+            raise _bad(f"model {ctx.model_name!r} has no chat template (chat_template.jinja or tokenizer_config.json's "
+                       "chat_template); use /v1/completions with a prompt", "messages")
+        try:
+            text = ctx.template.render(checked, add_generation_prompt=True)
+        except ValueError as e:  # the template refused (raise_exception), or does not parse
+            raise _bad(str(e), "messages") from e
+        except Exception as e:  # noqa: BLE001 - a template failing on these messages (jinja2's errors, a bad op)
+            raise _bad(f"the chat template failed on these messages: {type(e).__name__}: {e}", "messages") from e
+        return _encode(ctx, text, "messages", add_special_tokens=False)  # a template writes its own BOS
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return _encode(ctx, prompt, "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < ctx.vocab_size for t in prompt):
+            raise _bad(f"prompt token ids must be in 0..{ctx.vocab_size - 1}, got {prompt!r}", "prompt")
+        return list(prompt)
+    raise _bad(f"prompt must be a non-empty string or list of token ids (one prompt: this server decodes one "
+               f"stream), got {prompt!r}", "prompt")
+
+
+def parse(raw: bytes, ctx: Context, *, chat: bool) -> Completion:
+    """The checked request of `/v1/chat/completions` (chat) or `/v1/completions`, or an APIError."""
+    body = _body(raw)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad(f"model must be a string, got {model!r}", "model")
+    if model is not None and model != ctx.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {ctx.model_name!r}",
+                       param="model", code="model_not_found")
+    _unhonoured(body)
+    n = _int(body, "n", 1, 1)
+    if n != 1:
+        raise _bad(f"n must be 1 (this server decodes one stream per request), got {n}", "n")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad(f"stream must be a boolean, got {stream!r}", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise _bad(f"stream_options must be {{'include_usage': bool}}, got {options!r}", "stream_options")
+    d = ctx.defaults
+    temperature = _number(body, "temperature", d.temperature, 0.0, 2.0)
+    top_p = _number(body, "top_p", d.top_p, 0.0, 1.0)
+    top_k = _int(body, "top_k", d.top_k, 0) or None  # 0: off, as in llama.cpp
+    seed = _int(body, "seed", d.seed, 0)
+    repeat_penalty = _number(body, "repeat_penalty", d.repeat_penalty, 0.0, 10.0)
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, name, None, 1)
+    stop = _stop(body)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise _bad(f"ignore_eos must be a boolean, got {ignore_eos!r}", "ignore_eos")
+    ids = _prompt_ids(body, ctx, chat)
+    room = ctx.max_len - len(ids) - ctx.draft_slots
+    if max_tokens is None:
+        if room < 1:
+            raise _bad(f"the prompt ({len(ids)} tokens) leaves no room for a new token in the server's "
+                       f"--max-len {ctx.max_len}", "messages" if chat else "prompt")
+        max_tokens = room if d.max_tokens is None else min(d.max_tokens, room)
+    elif max_tokens > room:
+        drafts = f" + {ctx.draft_slots} draft slots" if ctx.draft_slots else ""
+        raise _bad(f"the prompt ({len(ids)} tokens) + {name} ({max_tokens}){drafts} = "
+                   f"{len(ids) + max_tokens + ctx.draft_slots} exceeds the server's --max-len {ctx.max_len}", name)
+    try:  # the generator's own checks (sampling values it refuses), without touching it
+        check_request(ids, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                      repeat_penalty=repeat_penalty, vocab_size=ctx.vocab_size, max_len=ctx.max_len, max_batch=1,
+                      draft_slots=ctx.draft_slots)
+    except (ValueError, TypeError) as e:
+        raise _bad(str(e)) from e
+    return Completion(chat=chat, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                      top_k=top_k, seed=seed, stop=stop, stream=stream,
+                      include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos,
+                      repeat_penalty=repeat_penalty)

@@ -1,0 +1,196 @@
+"""The HTTP side of `static-decode serve`: a Starlette app speaking the OpenAI API over the decode worker.
+
+Routes: POST /v1/chat/completions, POST /v1/completions (both with `stream`: server-sent events in OpenAI's
+chunk format, ending with `data: [DONE]`), GET /v1/models, GET /health. Every refusal, including unknown routes
+and methods, has OpenAI's error body. A streamed response whose client goes away cancels its request (the worker
+stops it at the next read-back); so does a non-streamed one, watched through the ASGI receive channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from static_decode.commands.serve.api import APIError, Completion, Context, parse
+from static_decode.commands.serve.worker import Job, Usage, Worker
+
+log = logging.getLogger("static_decode.serve")
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the app serves: the checked-request context and the worker."""
+
+    ctx: Context
+    worker: Worker
+    created: int  # when the model was loaded (unix seconds), for /v1/models
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+class _Reply:
+    """The response objects of one request (ids and field layout per endpoint)."""
+
+    def __init__(self, served: Served, chat: bool) -> None:
+        self.chat, self.model = chat, served.ctx.model_name
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _wrap(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices}
+
+    def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return self._wrap([choice], chunk=True)
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return {**self._wrap([], chunk=True), "usage": usage.body()}
+
+    def whole(self, text: str, finish: str, usage: Usage) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self._wrap([choice], chunk=False), "usage": usage.body()}
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Cancel `job` when the client goes away (the body is read already: the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancelled.set()
+            return
+
+
+async def _stream(reply: _Reply, job: Job, include_usage: bool) -> AsyncIterator[bytes]:
+    try:
+        if reply.chat:
+            yield _sse(reply.chunk("", role=True))
+        while True:
+            event = await job.events.get()
+            if event[0] == "text":
+                yield _sse(reply.chunk(event[1]))
+            elif event[0] == "done":
+                _, finish, usage = event
+                final = reply.chunk(None if reply.chat else "", finish)
+                if include_usage:
+                    final["usage"] = None
+                yield _sse(final)
+                if include_usage:
+                    yield _sse(reply.usage_chunk(usage))
+                yield _sse("[DONE]")
+                return
+            else:  # an error after the response started: OpenAI's error body as the last event
+                yield _sse(event[1].body())
+                return
+    finally:  # also on a disconnect (the response task is cancelled) or a write to a closed connection
+        job.cancelled.set()
+
+
+async def _complete(request: Request, chat: bool) -> Response:
+    served: Served = request.app.state.served
+    try:
+        req: Completion = parse(await request.body(), served.ctx, chat=chat)
+        job = Job(req, asyncio.get_running_loop())
+        served.worker.submit(job)
+    except APIError as e:
+        return error_response(e)
+    except Exception as e:  # noqa: BLE001 - a failure while reading the request still gets OpenAI's error body
+        log.exception("reading a request failed")
+        return error_response(APIError(500, f"the request could not be read: {type(e).__name__}: {e}",
+                                       type="server_error"))
+    reply = _Reply(served, chat)
+    if req.stream:
+        return StreamingResponse(_stream(reply, job, req.include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    watcher = asyncio.ensure_future(_watch_disconnect(request, job))
+    parts: list[str] = []
+    try:
+        while True:
+            event = await job.events.get()
+            if event[0] == "text":
+                parts.append(event[1])
+            elif event[0] == "done":
+                return JSONResponse(reply.whole("".join(parts), event[1], event[2]))
+            else:
+                return error_response(event[1])
+    finally:
+        watcher.cancel()
+        job.cancelled.set()  # a no-op once done; a cancelled handler (shutdown) stops the decode
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _complete(request, chat=True)
+
+
+async def completions(request: Request) -> Response:
+    return await _complete(request, chat=False)
+
+
+async def models(request: Request) -> Response:
+    served: Served = request.app.state.served
+    return JSONResponse({"object": "list", "data": [
+        {"id": served.ctx.model_name, "object": "model", "created": served.created, "owned_by": "static-decode"}
+    ]})
+
+
+async def health(request: Request) -> Response:
+    served: Served = request.app.state.served
+    return JSONResponse({"status": "ok", "waiting": served.worker.waiting, **served.worker.counts})
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return error_response(APIError(exc.status_code, message, code=kind, headers=dict(exc.headers or {})))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """Anything else that fails in a handler: OpenAI's error body, not a bare text 500."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(APIError(500, f"{request.method} {request.url.path} failed: {type(exc).__name__}: {exc}",
+                                   type="server_error"))
+
+
+def build_app(served: Served) -> Starlette:
+    """The app over `served` (its worker already running)."""
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+    )
+    app.state.served = served
+    return app

@@ -1,0 +1,433 @@
+"""The host side of generation: one cache and one set of step buffers, reused across requests.
+
+Per request the host checks everything first (static_decode.generation.request: a refused request changes nothing),
+fills the step buffers, then only launches steps (static_decode.steps.functions) back to back: prefill chunks, the
+first token, then one decode step per token. It never reads the device lengths; it knows them for prefill (it chose
+n_new) and keeps an upper bound during decode (each step adds at most one token per row), from which the runner
+picks the read length. Emitted tokens are read back from `bufs.out` in batches (every `read_every` steps and at the
+end): that is the only sync during decode, and it is also where the host notices that every row finished.
+
+With `speculate` (static_decode.steps.speculation) decode runs verify steps instead, each emitting 1..K+1 tokens per
+row; that host loop (bounds instead of exact lengths, read-backs, when to run plain steps) is
+static_decode.generation.speculative_loop.
+
+What runs a step is the runner's business (`static_decode.steps.functions.StepRunner`): it answers the read length of a
+step and the callable of a step kind at that length. `EagerRunner` by default; with `compile=True` the
+capture layer's `CompiledRunner` (one graph per (kind, read bucket), the capture policy with it).
+
+A tensor-parallel model (`model.tp`, static_decode.model.parallel) needs nothing else here: every rank runs this same
+host loop over its own shard and cache; the step's all-reduces make the logits, hence the tokens, the same on
+every rank, so every rank takes the same decisions (EOS, read-backs, read lengths) and the collectives stay in
+step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from capture.settings import CaptureOptions
+from static_decode.base import ranges
+from static_decode.base.checks import check_int
+from static_decode.core.cache import StaticKVCache
+from static_decode.generation.memory import cache_bytes, check_fits, generation_bytes
+from static_decode.generation.request import Request, check_request
+from static_decode.generation.speculative_loop import decode_speculative
+from static_decode.generation.stats import GenerationStats
+from static_decode.kernels import cpu_kernel
+from static_decode.model.llama import Llama
+from static_decode.steps.functions import (
+    PAD,
+    STEPS,
+    EagerRunner,
+    StepBuffers,
+    StepFn,
+    StepRunner,
+    prefill_long,
+    read_rows,
+    sampling,
+)
+from static_decode.steps.speculation import DraftModel, PromptLookup, Speculation, SpeculationPolicy
+from static_decode.steps.verify import speculative_steps
+
+if TYPE_CHECKING:
+    from capture.report import CaptureRecord, CaptureReport
+
+# Prompt slots per prefill step. Compiled SmolLM2 prefill on the CPU (profiles/RESULTS.md), seconds at 128 / 1,024
+# prompt tokens: chunk 64 0.22 / 1.91, 128 0.146 / 1.35, 256 0.28 / 1.32 (a short prompt pays for the padding).
+DEFAULT_CHUNK_SIZE = 128
+# Prompt slots per *long* prefill step, run uncompiled: once a prompt has this many tokens left, a chunk this long
+# is GEMM-bound, so inductor's fusion of the small ops gains little and a compile costs a minute, while one long
+# chunk's GEMMs run far faster than four short ones' (oneDNN's bf16 GEMMs most of all). SmolLM2-135M on the CPU,
+# 1,024 prompt tokens, s (profiles/RESULTS.md, "Prefill"): float32 compiled 128-chunks 1.23, eager 512-chunks 1.15;
+# bfloat16 0.61 -> 0.41. None = this default when it exceeds chunk_size, else off; 0 = off.
+DEFAULT_LONG_CHUNK = 512
+DEFAULT_READ_EVERY = 16  # decode steps between read-backs of the emitted tokens
+
+
+class Generator:
+    """Greedy or sampled generation over one static cache, reused across requests.
+
+    The cache holds `batch` rows when given (requests with more rows are refused); otherwise it is allocated
+    at the first request and reallocated only when a request has more rows than any before it (so it is sized
+    for the largest batch seen, and never regrown for a batch it already fits). Smaller requests run on the
+    same buffers with the spare rows idle, so the step shapes do not change. Not re-entrant: finish (or close)
+    one stream before starting the next request.
+    """
+
+    def __init__(
+        self,
+        model: Llama,
+        *,
+        max_len: int,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        long_chunk: int | None = None,
+        compile: bool = False,
+        batch: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        read_every: int = DEFAULT_READ_EVERY,
+        capture: CaptureOptions | None = None,
+        speculate: Speculation | None = None,
+    ) -> None:
+        if not isinstance(model, Llama):
+            raise TypeError(f"model must be a static_decode.Llama, got {type(model).__name__}")
+        model.tp.require_group()  # a tensor-parallel shard needs its process group for every step
+        self.model = model
+        self.max_len = check_int("max_len", max_len, minimum=2)
+        model.check_max_len(self.max_len)  # a sliding window shorter than the cache: refused before allocating
+        self.chunk_size = check_int("chunk_size", chunk_size, minimum=1)
+        if long_chunk is None:
+            self.long_chunk = DEFAULT_LONG_CHUNK if self.chunk_size < DEFAULT_LONG_CHUNK else 0
+        else:
+            self.long_chunk = check_int("long_chunk", long_chunk, minimum=0)
+            if 0 < self.long_chunk <= self.chunk_size:
+                raise ValueError(
+                    f"long_chunk={long_chunk} must exceed chunk_size={self.chunk_size} (or be 0: no long chunks)"
+                )
+        self.read_every = check_int("read_every", read_every, minimum=1)
+        self.compile = bool(compile)
+        if self.compile and model.attn_impl == "flex" and model.device.type != "cuda":
+            raise ValueError(
+                f"attn_impl='flex' compiles only on CUDA (inductor's CPU flex template does not take this mask), the "
+                f"model is on {model.device}; use attn_impl='sdpa_folded' there"
+            )
+        if capture is not None and not isinstance(capture, CaptureOptions):
+            raise TypeError(f"capture must be a capture.CaptureOptions, got {type(capture).__name__}")
+        self.capture = capture if capture is not None or not self.compile else CaptureOptions()
+        self.fixed_batch = None if batch is None else check_int("batch", batch, minimum=1)
+        eos = model.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+        for i in eos:
+            check_int("eos token id", i, minimum=0)
+            if i >= model.config.vocab_size:
+                raise ValueError(f"eos token id {i} is past the vocabulary ({model.config.vocab_size})")
+        self.eos_token_ids = tuple(int(i) for i in eos)
+        if speculate is not None:
+            if not isinstance(speculate, PromptLookup | DraftModel):
+                raise TypeError(f"speculate must be a PromptLookup or a DraftModel, got {type(speculate).__name__}")
+            if model.tp.enabled:
+                raise ValueError("speculate is not supported on a tensor-parallel model")
+            if isinstance(speculate, DraftModel):
+                speculate.check_target(model)
+                speculate.model.check_max_len(self.max_len)
+        self.speculate = speculate
+        if model.device.type == "cpu":
+            # Build (or load) the CPU kernels now: the first step to need them would otherwise pay the one-time
+            # build (minutes) inside its own timing (a demo's first decode, a bench's first request).
+            cpu_kernel.available()
+        if isinstance(speculate, DraftModel):
+            self.long_chunk = 0  # a draft model prefills chunk by chunk beside the target (its draft_prefill kind)
+        self.draft_cache: StaticKVCache | None = None  # a DraftModel's own cache, allocated with the target's
+        self.cache: StaticKVCache | None = None
+        self.bufs: StepBuffers | None = None
+        self.runner: StepRunner = EagerRunner()  # compile=True: a capture.CompiledRunner once allocated
+        self.stats: GenerationStats | None = None
+        self._busy = False  # a request is running on the cache (an open stream, say)
+        self.epoch = 0  # counts cache resets: a Conversation checks that its history is still what is cached
+        if self.fixed_batch is not None:
+            self._allocate(self.fixed_batch)
+
+    # ---- the runner: read lengths, step callables, capture --------------------------------------------------
+    def read_len(self, longest: int) -> int:
+        """The read length of a step whose longest row (after it) holds `longest` tokens."""
+        return self.runner.read_len(longest)
+
+    def step_fn(self, kind: str, read_len: int) -> StepFn:
+        """The callable `fn(model, cache, bufs, read_len)` that runs step `kind` at `read_len`."""
+        return self.runner.step(kind, read_len)
+
+    @property
+    def capture_records(self) -> list[CaptureRecord]:
+        """What was compiled so far, one record per (kind, read bucket); empty unless compile=True."""
+        return list(getattr(self.runner, "records", {}).values())
+
+    def warm_up(
+        self, kinds: Iterable[str] | None = None, *, buckets: Iterable[int] | None = None, progress: bool = True
+    ) -> CaptureReport:
+        """compile=True: compile (and capture) `kinds` (default: all) at `buckets` (read lengths, rounded up to
+        their rungs; default: every rung) now rather than at first use. Allocates the cache if needed."""
+        if not self.compile:
+            raise ValueError("warm_up needs Generator(..., compile=True); eager steps have nothing to capture")
+        if self.cache is None:
+            self._allocate(1)
+        return self.runner.warm_up(kinds, buckets=buckets, progress=progress)
+
+    def _allocate(self, batch: int) -> None:
+        m = self.model
+        # Refuse a size the device cannot hold before anything is allocated: one ValueError in GiB instead of an
+        # allocator traceback (or the OOM killer), and this generator keeps its current cache and buffers.
+        spec = self.speculate
+        draft = spec.model if isinstance(spec, DraftModel) else None
+        K = 0 if spec is None else spec.tokens
+        draft_vocab = m.config.vocab_size if draft is not None else 0
+        need = generation_bytes(
+            m.config, batch, self.max_len, self.chunk_size, len(self.eos_token_ids), m.dtype, kv_heads=m.kv_heads,
+            draft_tokens=K, draft_vocab=draft_vocab, long_chunk=self.long_chunk, kv_dtype=m.kv_dtype,
+        )
+        if draft is not None:
+            need += cache_bytes(draft.config, batch, self.max_len, draft.kv_dtype, kv_heads=draft.kv_heads)
+        check_fits(need, m.device, "the KV cache and step buffers")
+        close = getattr(self.runner, "close", None)
+        if close is not None:  # compiled steps over the old cache would otherwise keep it alive (CUDA graphs)
+            close()
+        # the old state goes before the new comes
+        self.runner, self.cache, self.bufs, self.draft_cache = EagerRunner(), None, None, None
+        self.cache = m.new_cache(batch, self.max_len)
+        self.bufs = StepBuffers.allocate(
+            batch, self.chunk_size, self.max_len, m.config.hidden_size, len(self.eos_token_ids),
+            dtype=m.dtype, device=m.device, draft_tokens=K, draft_vocab=draft_vocab, long_chunk=self.long_chunk,
+            vocab=m.config.vocab_size,
+        )
+        steps = dict(STEPS)
+        if spec is not None:
+            self.draft_cache = None if draft is None else draft.new_cache(batch, self.max_len)
+            steps.update(speculative_steps(spec, self.draft_cache))
+        self.runner = EagerRunner(steps)
+        if self.compile:  # loaded here: the capture layer pulls in torch._dynamo, which eager use never needs
+            from capture.runner import CompiledRunner
+
+            self.runner = CompiledRunner(
+                m, self.cache, self.bufs, self.capture, steps=steps, draft_cache=self.draft_cache
+            )
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def _check(self, prompt: object, max_new_tokens: int, **kw: object) -> Request:
+        req = check_request(
+            prompt, max_new_tokens, **kw, vocab_size=self.model.config.vocab_size, max_len=self.max_len,
+            max_batch=self.fixed_batch, draft_slots=self.draft_slots,
+        )
+        self.check_penalty(req)
+        return req
+
+    def check_penalty(self, req: Request) -> None:
+        """A repetition penalty changes the target's distribution token by token, which a verify step's drafts
+        were not drawn from: refused with speculation."""
+        if req.repeat_penalty != 1.0 and self.speculate is not None:
+            raise ValueError(f"repeat_penalty={req.repeat_penalty} is not supported with speculative decoding")
+
+    @property
+    def draft_slots(self) -> int:
+        """Positions past a row's length that a verify step writes (K with speculation, else 0)."""
+        return 0 if self.speculate is None else self.speculate.tokens
+
+    def generate(
+        self,
+        prompt: Sequence[int] | Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop_at_eos: bool = True,
+        repeat_penalty: float | None = None,
+    ) -> list[int] | list[list[int]]:
+        """New token ids for a prompt (a list of ids) or for each prompt of a ragged batch (a list of lists).
+
+        Greedy when temperature is 0; otherwise sampled on the device (top_k / top_p optional), reproducibly
+        when `seed` is given. A row stops after it emits an EOS id (included) when stop_at_eos. repeat_penalty
+        (> 0; None or 1 = off) penalises every token the row has fed or emitted (static_decode.steps.sampling.penalize).
+        """
+        req = self._check(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                          stop_at_eos=stop_at_eos, repeat_penalty=repeat_penalty)
+        out: list[list[int]] = [[] for _ in req.rows]
+        for piece in self._run(req, self.read_every):
+            for b, toks in enumerate(piece):
+                out[b].extend(toks)
+        return out[0] if req.single else out
+
+    def stream(
+        self,
+        prompt: Sequence[int] | Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop_at_eos: bool = True,
+        read_every: int | None = None,
+        repeat_penalty: float | None = None,
+    ) -> Iterator[int] | Iterator[list[list[int]]]:
+        """Like `generate`, but yields tokens as they are read back: every `read_every` steps (default: the
+        generator's), and the first token as soon as it exists. For a single prompt it yields token ids one by
+        one; for a batch, one list of new ids per row at each read. The request is checked before this returns."""
+        req = self._check(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                          stop_at_eos=stop_at_eos, repeat_penalty=repeat_penalty)
+        every = self.read_every if read_every is None else check_int("read_every", read_every, minimum=1)
+        pieces = self._run(req, every)
+        return pieces if not req.single else (t for piece in pieces for t in piece[0])
+
+    # ---- one request on the device ------------------------------------------------------------------------
+    def _prepare(self, req: Request, keep_cache: bool = False, history: Sequence[int] = ()) -> None:
+        """Reset the cache (unless a conversation continues on it) and fill the per-request buffers (allocating,
+        and capturing, on first need). `history`: what row 0 of a kept cache holds before the request's row, which
+        prompt lookup searches as it would the same tokens fed in this request."""
+        if self.cache is None or len(req.rows) > self.cache.batch:
+            self._allocate(len(req.rows))
+            keep_cache = False
+        cache, bufs = self.cache, self.bufs
+        B = cache.batch
+        if not keep_cache:
+            cache.reset()
+            self.epoch += 1
+            bufs.seen.zero_()  # a continued conversation keeps the tokens of its earlier turns marked
+        seed = self.model.tp.shared_random_bits(64) if req.seed is None else req.seed  # same on every rank
+        R = len(req.rows)
+        bufs.done.copy_(torch.from_numpy(np.arange(B) >= R))  # spare rows are done from the start
+        bufs.step.zero_()
+        bufs.live_steps.zero_()
+        bufs.out.fill_(PAD)
+        bufs.limit.fill_(req.max_new_tokens)
+        history = list(history) if keep_cache else []
+        searched = [history + req.rows[0], *req.rows[1:]]  # row 0 continues its cached sequence
+        plen = np.array([len(r) for r in searched] + [0] * (B - R), dtype=np.int64)
+        bufs.plen.copy_(torch.from_numpy(plen))
+        if self.speculate is not None:  # prompt lookup searches the prompt; a draft model reads nothing there
+            hist = np.zeros((B, int(plen.max())), dtype=np.int64)
+            for b, row in enumerate(searched):
+                hist[b, : len(row)] = row
+            bufs.hist[:, : hist.shape[1]].copy_(torch.from_numpy(hist))
+        bufs.next.zero_()
+        bufs.temperature.fill_(req.temperature)
+        bufs.top_k.fill_(req.top_k or 0)
+        bufs.top_p.fill_(1.0 if req.top_p is None else req.top_p)
+        bufs.seed.copy_(torch.tensor([sampling.row_seed(seed, b) for b in range(B)], dtype=torch.int64))
+        bufs.repeat_penalty.fill_(req.repeat_penalty)
+        width = max(len(r) for r in req.rows)
+        marks = np.full((B, width), bufs.seen.shape[1] - 1, dtype=np.int64)  # the trash column past the vocabulary
+        for b, row in enumerate(req.rows):
+            marks[b, : len(row)] = row
+        bufs.seen.scatter_(1, torch.from_numpy(marks).to(bufs.seen.device), True)  # the prompt counts as seen
+        eos = list(self.eos_token_ids) if req.stop_at_eos else []
+        bufs.eos.copy_(torch.tensor(eos + [-1] * (bufs.eos.shape[0] - len(eos)), dtype=torch.int64))
+
+    def _prefill(self, rows: list[list[int]]) -> None:
+        """Feed the prompts in chunks (the last padded); rows run out at their length. While the longest row has
+        `long_chunk` tokens left, a long chunk runs uncompiled at the exact live read length (see
+        DEFAULT_LONG_CHUNK); the rest goes in chunk_size chunks through the runner (compiled, captured)."""
+        cache, bufs = self.cache, self.bufs
+        lens = np.array([len(r) for r in rows] + [0] * (cache.batch - len(rows)), dtype=np.int64)
+        start, longest = 0, int(lens.max())
+        while start < longest:
+            long = self.long_chunk > 0 and longest - start >= self.long_chunk
+            C = self.long_chunk if long else self.chunk_size
+            n = np.clip(lens - start, 0, C)
+            chunk = np.zeros((cache.batch, C), dtype=np.int64)
+            for b, row in enumerate(rows):
+                chunk[b, : n[b]] = row[start : start + n[b]]
+            n = cache.validate(n, C)
+            (bufs.long_chunk if long else bufs.chunk).copy_(torch.from_numpy(chunk))
+            bufs.n_new.copy_(torch.from_numpy(n))
+            longest_after = int((cache.host_lens + n).max())
+            with ranges.range(ranges.PREFILL_CHUNK, ranges.COLORS["prefill"]):
+                if long:  # (the caller holds no_grad)
+                    fresh = bool((cache.host_lens == 0).all() and (n == C).all())  # causal SDPA, no mask
+                    prefill_long(self.model, cache, bufs, longest_after, fresh=fresh)
+                else:
+                    read_len = self.read_len(longest_after)
+                    self.step_fn("prefill", read_len)(self.model, cache, bufs, read_len)
+                    if self.draft_cache is not None:
+                        self.step_fn("draft_prefill", read_len)(self.model, cache, bufs, read_len)
+            cache.commit(n)
+            start += C
+
+    def _run(
+        self, req: Request, every: int, keep_cache: bool = False, history: Sequence[int] = ()
+    ) -> Iterator[list[list[int]]]:
+        """Run one checked request, yielding each read-back as a list of new tokens per row. keep_cache: append
+        to the rows already cached (a conversation's next turn) instead of starting from an empty cache;
+        `history`: the tokens row 0 then holds (prompt lookup searches them with the new ones)."""
+        if self._busy:  # checked before anything changes: the open request keeps its cache and buffers
+            raise RuntimeError(
+                "this Generator is still running a stream: finish it (or call its .close()) before the next "
+                "request, which would otherwise reset the cache under it"
+            )
+        self._busy = True
+        try:
+            yield from self._run_unlocked(req, every, keep_cache, history)
+        finally:
+            self._busy = False
+
+    def _run_unlocked(
+        self, req: Request, every: int, keep_cache: bool, history: Sequence[int]
+    ) -> Iterator[list[list[int]]]:
+        self._prepare(req, keep_cache, history)  # may allocate and capture: untimed
+        t0 = time.perf_counter()
+        cache, bufs, model, R, max_new = self.cache, self.bufs, self.model, len(req.rows), req.max_new_tokens
+        eos = set(self.eos_token_ids) if req.stop_at_eos else set()
+        emitted = np.zeros(R, dtype=np.int64)
+        finished = np.zeros(R, dtype=bool)
+        complete = False
+        # NVTX ranges wrap each launch on the host (never inside a compiled step). Decode samples inside its step,
+        # so "sample" marks only the separate first-token launch.
+        sample_range = ranges.range(ranges.SAMPLE, ranges.COLORS["sample"])
+        decode_range = ranges.range(ranges.DECODE_STEP, ranges.COLORS["decode"])
+        try:
+            # Grad mode is set per launch, never held across a yield (it is thread-global state of the caller).
+            with torch.no_grad():
+                self._prefill(req.rows)
+                with sample_range:
+                    self.step_fn("first_greedy" if req.greedy else "first", 0)(model, cache, bufs, 0)
+            if self.speculate is not None:
+                piece = read_rows(bufs, 1, finished, emitted, eos, max_new)
+                t1 = time.perf_counter()
+                yield piece
+                policy = SpeculationPolicy(self.speculate)
+                searched = list(history) if keep_cache else []  # what _prepare put before row 0 for the lookup
+                steps = yield from decode_speculative(self, req, every, policy, finished, emitted, eos, searched)
+            else:
+                steps = 0
+                longest = int(cache.host_lens.max())  # exact now; an upper bound from here on
+                kind = "decode_greedy" if req.greedy else "decode"
+                while True:
+                    if steps + 1 == max_new or steps % every == 0:
+                        piece = read_rows(bufs, steps + 1, finished, emitted, eos, max_new)
+                        if steps == 0:
+                            t1 = time.perf_counter()
+                        yield piece
+                        if steps + 1 == max_new or finished.all():
+                            break
+                    steps += 1
+                    read_len = self.read_len(longest + steps)
+                    with torch.no_grad(), decode_range:
+                        self.step_fn(kind, read_len)(model, cache, bufs, read_len)
+                policy = None
+            t2 = time.perf_counter()
+            # Each emitted token except a row's last was fed back: that is how far the device lengths moved.
+            cache.commit(np.concatenate([emitted - 1, np.zeros(cache.batch - R, dtype=np.int64)]))
+            complete = True
+            # Steps that still emitted for some row (the first token's step aside); read after the clock stopped.
+            live = int(bufs.live_steps[:R].max()) - 1
+            self.stats = GenerationStats(
+                prompt_tokens=req.prompt_tokens, new_tokens=int(emitted.sum()), prefill_s=t1 - t0,
+                decode_s=t2 - t1, decode_steps=steps, verify_steps=0 if policy is None else policy.verify_steps,
+                accepted_per_step=0.0 if policy is None else policy.accepted_per_step, rows=R, live_steps=live,
+            )
+        finally:
+            if not complete:  # abandoned or failed: leave a consistent, empty cache
+                cache.reset()
+                self.epoch += 1

@@ -1,0 +1,170 @@
+"""What a Generator's static allocation costs, and a refusal before allocating a size the device cannot hold.
+
+A KV cache is sized by max_len, and a large --max-len asks for tens of GiB at once. Allocating first and
+failing later gives an allocator traceback (or, on a CPU host, the OOM killer); checking the byte count against
+the device's free memory first gives one sentence in GiB and leaves the caller's state untouched.
+
+`generation_bytes` is exact, not an estimate: it mirrors the shapes of `StaticKVCache` (cache.py) and
+`StepBuffers.allocate` (steps.py), and tests/test_memory.py pins it to the `.nbytes` of a real allocation, so a
+buffer added there without being counted here fails that test. Memory the steps need while they run
+(activations, logits, compiled graphs) is not counted: it depends on the runner, and is small next to the cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from static_decode.base.checks import check_int
+from static_decode.core.cache import SPARE_ROWS
+from static_decode.model.config import LlamaConfig
+from static_decode.model.quant import read_bytes as quant_read_bytes
+from static_decode.model.quant import weight_bytes as quant_weight_bytes
+
+GIB = 1024**3
+MEMINFO = Path("/proc/meminfo")
+INT64 = 8  # bytes of the int64 buffers (token ids, lengths, counters, seeds)
+FLOAT32 = 4  # bytes of the float32 sampling buffers (temperature, top_p)
+BOOL = 1  # bytes of the bool buffers (`done`, `seen`)
+
+
+def cache_bytes(
+    config: LlamaConfig, batch: int, max_len: int, dtype: torch.dtype, *, kv_heads: int | None = None
+) -> int:
+    """Bytes of a StaticKVCache: K and V ([layers, B, Hkv, max_len + spare, d] each) plus the int64 lengths.
+
+    kv_heads defaults to the config's; a tensor-parallel rank passes its share (`Llama.kv_heads`).
+    """
+    heads = config.num_kv_heads if kv_heads is None else check_int("kv_heads", kv_heads, minimum=1)
+    per_tensor = config.num_layers * batch * heads * (max_len + SPARE_ROWS) * config.head_dim
+    return 2 * per_tensor * _itemsize(dtype) + batch * INT64
+
+
+def buffer_bytes(
+    batch: int,
+    chunk_size: int,
+    capacity: int,
+    width: int,
+    eos_slots: int,
+    dtype: torch.dtype,
+    draft_tokens: int = 0,
+    draft_vocab: int = 0,
+    long_chunk: int = 0,
+    vocab: int = 0,
+) -> int:
+    """Bytes of `StepBuffers.allocate(batch, chunk_size, capacity, width, eos_slots, dtype=dtype,
+    draft_tokens=draft_tokens, draft_vocab=draft_vocab, long_chunk=long_chunk, vocab=vocab)`."""
+    int64_elems = (
+        batch * chunk_size  # chunk
+        + batch * long_chunk  # long_chunk
+        + batch  # n_new
+        + batch  # next ([B, 1])
+        + 2 * batch * (capacity + 1)  # out and hist (each with its trash column)
+        + 4 * batch  # step, live_steps, limit, plen
+        + batch  # top_k
+        + batch  # seed
+        + max(eos_slots, 1)  # eos (at least one entry, so the EOS test has a shape)
+        + batch * draft_tokens  # draft
+    )
+    float32_elems = 3 * batch + batch * draft_tokens * draft_vocab  # temperature, top_p, repeat_penalty; draft_probs
+    bool_elems = batch + batch * (vocab + 1)  # done; seen (with its trash column)
+    return int64_elems * INT64 + batch * width * _itemsize(dtype) + bool_elems * BOOL + float32_elems * FLOAT32
+
+
+def generation_bytes(
+    config: LlamaConfig,
+    batch: int,
+    max_len: int,
+    chunk_size: int,
+    eos_slots: int,
+    dtype: torch.dtype,
+    *,
+    kv_heads: int | None = None,
+    draft_tokens: int = 0,
+    draft_vocab: int = 0,
+    long_chunk: int = 0,
+    kv_dtype: torch.dtype | None = None,
+) -> int:
+    """Device bytes a Generator allocates for `batch` rows of `max_len` tokens: the KV cache (with its one spare
+    position; in `kv_dtype`, default `dtype`) plus the step buffers, whose output holds max_len tokens per row (a
+    draft model's own cache is `cache_bytes` of its config, added by the caller; `seen` spans the config's
+    vocabulary). Python ints: no overflow however large max_len is."""
+    batch = check_int("batch", batch, minimum=0)
+    max_len = check_int("max_len", max_len, minimum=1)
+    chunk_size = check_int("chunk_size", chunk_size, minimum=1)
+    eos_slots = check_int("eos_slots", eos_slots, minimum=0)
+    kv = dtype if kv_dtype is None else kv_dtype
+    return cache_bytes(config, batch, max_len, kv, kv_heads=kv_heads) + buffer_bytes(
+        batch, chunk_size, max_len, config.hidden_size, eos_slots, dtype, draft_tokens, draft_vocab, long_chunk,
+        config.vocab_size,
+    )
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's weights as held: parameters, and quantized weights as stored (int8 / int4 codes and their
+    scales; static_decode.model.quant), a tied tensor once."""
+    return quant_weight_bytes(model)
+
+
+def read_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights one decode step reads (`weight_bytes` less the embedding rows it does not look up
+    where the head has weights of its own; static_decode.model.quant.read_bytes)."""
+    return quant_read_bytes(model)
+
+
+def free_bytes(device: torch.device | str) -> int | None:
+    """Bytes `device` can still hand out, or None when that cannot be known (then nothing is refused).
+
+    CUDA: the driver's free memory plus what PyTorch's caching allocator holds reserved but unused (it serves
+    new tensors from there first). CPU: MemAvailable of /proc/meminfo. Other device types: None.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        free, _total = torch.cuda.mem_get_info(index)
+        return free + torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+    if device.type == "cpu":
+        return _mem_available()
+    return None
+
+
+def check_fits(nbytes: int, device: torch.device | str, what: str) -> None:
+    """Raise ValueError, sizes in GiB, when `nbytes` for `what` exceed what `device` has free; else nothing.
+
+    e.g. "the KV cache and step buffers need 12.50 GiB on cuda:0, which has 3.20 GiB free".
+    """
+    nbytes = check_int("nbytes", nbytes, minimum=0)
+    free = free_bytes(device)
+    if free is None or nbytes <= free:
+        return
+    raise ValueError(
+        f"{what} need {gib(nbytes)} on {torch.device(device)}, which has {gib(free)} free; "
+        "use a smaller max_len or batch (or a smaller dtype)"
+    )
+
+
+def gib(nbytes: int) -> str:
+    """A byte count in GiB with two decimals, e.g. "12.50 GiB"."""
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}: {dtype!r}")
+    return dtype.itemsize
+
+
+def _mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where the file is missing or unreadable (not Linux)."""
+    try:
+        with MEMINFO.open() as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    value, unit = line.split()[1:3]
+                    return int(value) * (1024 if unit.lower() == "kb" else 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -1,0 +1,301 @@
+"""The Llama-family model configuration: a validated dataclass, read from a transformers config.json.
+
+One decoder covers several transformers architectures; what differs between them is a handful of switches
+(`LlamaConfig.from_hf` maps each architecture's config.json keys onto them):
+
+* LlamaForCausalLM: `attention_bias` (q/k/v/o biases) and `mlp_bias` (gate/up/down biases), both optional;
+* MistralForCausalLM: no biases; `sliding_window` (every layer) null or an int;
+* Qwen2ForCausalLM: q/k/v biases always, none on o_proj or the MLP; a sliding window on the layers from
+  `max_window_layers` on (or as `layer_types` lists them) only when `use_sliding_window` is true;
+* Qwen3ForCausalLM: `attention_bias` (q/k/v/o), an RMSNorm over each head's q and k before the rotary
+  embedding, `head_dim` explicit (transformers' default 128 when absent, not hidden_size // heads); its
+  sliding window follows Qwen2's rules.
+
+The static cache attends every cached key, so a sliding window is exact only while it covers the whole cache:
+`check_max_len` refuses a max_len larger than the window.
+
+Two config.json styles exist for the rotary embedding and both are read:
+
+* transformers 4.x: top-level `rope_theta` plus `rope_scaling` (null, or a dict with `rope_type` or the older
+  `type`, and the type's parameters);
+* transformers 5.x: `rope_parameters`, one dict holding `rope_type`, `rope_theta` and the type's parameters.
+
+Rope types "default" and "llama3" are supported; anything else is refused with an error naming the key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from static_decode.base.checks import check_int, is_number
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# transformers' layer kinds (Qwen2/Qwen3 `layer_types`): which layers attend through a sliding window.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's default: a config.json without head_dim means 128
+ROPE_TYPES = ("default", "llama3")
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _check_positive_float(name: str, value: Any) -> None:
+    if (
+        not is_number(value)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (transformers' `rope_parameters`)."""
+
+    theta: float = 10000.0  # base wavelength: inv_freq[i] = theta ** (-2i / head_dim)
+    type: str = "default"  # "default" or "llama3" (frequency-dependent scaling of Llama 3.1)
+    factor: float = 1.0  # llama3: long wavelengths are divided by this
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original_max / low_freq_factor are scaled fully
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original_max / high_freq_factor are kept
+    original_max_position_embeddings: int = 8192  # llama3: the context length the model was pretrained on
+
+    def __post_init__(self) -> None:
+        if self.type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {self.type!r}; supported: {', '.join(ROPE_TYPES)}")
+        _check_positive_float("rope theta", self.theta)
+        _check_positive_float("rope factor", self.factor)
+        _check_positive_float("rope low_freq_factor", self.low_freq_factor)
+        _check_positive_float("rope high_freq_factor", self.high_freq_factor)
+        check_int("rope original_max_position_embeddings", self.original_max_position_embeddings, minimum=1)
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            # The smoothing divides by (high - low): equal factors would divide by zero.
+            raise ValueError(
+                f"llama3 rope needs high_freq_factor > low_freq_factor, got "
+                f"{self.high_freq_factor} <= {self.low_freq_factor}"
+            )
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and numerics of a Llama-family decoder (names follow the model, not config.json)."""
+
+    vocab_size: int  # rows of the embedding and of the LM head
+    hidden_size: int  # model width D
+    intermediate_size: int  # SwiGLU inner width
+    num_layers: int  # decoder blocks
+    num_heads: int  # query heads Hq
+    num_kv_heads: int  # key/value heads Hkv (GQA: Hq is a multiple of Hkv)
+    head_dim: int = 0  # per-head width d; 0 means hidden_size // num_heads (set in __post_init__)
+    rms_norm_eps: float = 1e-6  # epsilon inside every RMSNorm
+    rope: RopeConfig = field(default_factory=RopeConfig)  # rotary embedding parameters
+    max_position_embeddings: int = 2048  # informational: positions are computed, not looked up in a table
+    tie_word_embeddings: bool = False  # LM head reuses the embedding matrix
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2; Llama and Qwen3 with attention_bias)
+    o_bias: bool = False  # o_proj carries a bias (Llama and Qwen3 with attention_bias; never Qwen2)
+    mlp_bias: bool = False  # gate/up/down projections carry a bias (Llama with mlp_bias)
+    qk_norm: bool = False  # RMSNorm over head_dim on every q and k head, before the rotary embedding (Qwen3)
+    sliding_window: int | None = None  # keys a query sees on the sliding layers; None: full causal attention
+    architecture: str = "LlamaForCausalLM"  # the transformers class this config was read for (informational)
+    eos_token_ids: tuple[int, ...] = ()  # ids that end a sequence (generation_config.json or config.json)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+        ):
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("head_dim", self.head_dim, minimum=0)
+        check_int("max_position_embeddings", self.max_position_embeddings, minimum=1)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} "
+                "(the GQA groups)"
+            )
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
+                    "give head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (rotary embedding rotates pairs)")
+        _check_positive_float("rms_norm_eps", self.rms_norm_eps)
+        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.sliding_window is not None:
+            check_int("sliding_window", self.sliding_window, minimum=1)
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r} is not one of {', '.join(ARCHITECTURES)}")
+        if not isinstance(self.rope, RopeConfig):
+            raise TypeError(f"rope must be a RopeConfig, got {type(self.rope).__name__}")
+        ids = tuple(self.eos_token_ids)
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
+                raise ValueError(f"eos token id {i!r} must be an int in 0..{self.vocab_size - 1}")
+        object.__setattr__(self, "eos_token_ids", ids)
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head (G)."""
+        return self.num_heads // self.num_kv_heads
+
+    def check_max_len(self, max_len: int) -> None:
+        """Refuse a cache longer than the sliding window (before anything is allocated).
+
+        transformers' window lets a query at position i see keys i - sliding_window < j <= i; the static cache
+        lets it see every key 0..i. The two agree for every position of a cache of max_len tokens exactly when
+        sliding_window >= max_len; past that the model would attend keys it was trained never to see."""
+        if self.sliding_window is None:
+            return  # no window: any length (StaticKVCache checks the value itself, with its own wording)
+        if check_int("max_len", max_len, minimum=1) > self.sliding_window:
+            raise ValueError(
+                f"{self.architecture} attends through sliding_window={self.sliding_window} (config.json key "
+                f"'sliding_window'), smaller than max_len={max_len}: the static cache attends every cached key, "
+                f"so it matches the model only while max_len <= {self.sliding_window}; use a smaller max_len"
+            )
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
+        """Build from a transformers config.json dict (4.x or 5.x style); errors name the offending key."""
+        archs = hf.get("architectures") or []
+        if not isinstance(archs, list) or len(set(archs)) != 1 or archs[0] not in ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture: config.json key 'architectures' is {archs!r}; "
+                f"supported: {', '.join(ARCHITECTURES)}"
+            )
+        arch = archs[0]
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported activation: config.json key 'hidden_act' is {act!r}; only 'silu'")
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ValueError(f"config.json lacks required key(s): {', '.join(missing)}")
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim") or (QWEN3_DEFAULT_HEAD_DIM if arch == "Qwen3ForCausalLM" else 0),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=rope_from_hf(hf),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
+            **_family_switches(arch, hf),
+            architecture=arch,
+            eos_token_ids=eos_ids(hf.get("eos_token_id"), "config.json key 'eos_token_id'"),
+        )
+
+
+def _flag(hf: dict[str, Any], key: str) -> bool:
+    """A boolean config.json key (absent or null: false); anything else is refused naming the key."""
+    value = hf.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json key {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _family_switches(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """The architecture-specific switches, spelled as transformers' own modeling code reads config.json."""
+    if arch == "LlamaForCausalLM":
+        attn = _flag(hf, "attention_bias")
+        return {"qkv_bias": attn, "o_bias": attn, "mlp_bias": _flag(hf, "mlp_bias")}
+    if arch == "MistralForCausalLM":
+        # transformers' Mistral has no bias switches (every projection is bias-free, whatever else config.json
+        # holds) and applies `sliding_window` to every layer; it ignores `layer_types`.
+        return {"sliding_window": hf.get("sliding_window")}
+    if arch == "Qwen2ForCausalLM":
+        # Qwen2 hard-codes biases on q/k/v and none on o_proj or the MLP.
+        return {"qkv_bias": True, "sliding_window": _qwen_window(hf)}
+    attn = _flag(hf, "attention_bias")  # Qwen3ForCausalLM
+    return {"qkv_bias": attn, "o_bias": attn, "qk_norm": True, "sliding_window": _qwen_window(hf)}
+
+
+def _qwen_window(hf: dict[str, Any]) -> int | None:
+    """Qwen2/Qwen3's sliding window, or None when no layer slides.
+
+    transformers nulls `sliding_window` unless `use_sliding_window` is true (released Qwen checkpoints ship
+    `use_sliding_window: false` next to a `sliding_window` smaller than their context: no window), and then
+    slides the layers `layer_types` marks (5.x files), else the layers from `max_window_layers` on (4.x files,
+    default 28). One window for the sliding layers suffices here: check_max_len refuses any window that
+    would change a result, whichever layers have it."""
+    window = hf.get("sliding_window")
+    if not _flag(hf, "use_sliding_window") or window is None:
+        return None
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or any(t not in LAYER_TYPES for t in layer_types):
+            raise ValueError(
+                f"unsupported config.json key 'layer_types' {layer_types!r}: entries must be one of "
+                f"{', '.join(LAYER_TYPES)}"
+            )
+        sliding = "sliding_attention" in layer_types
+    else:
+        first = hf.get("max_window_layers", 28)
+        if isinstance(first, bool) or not isinstance(first, int):
+            raise ValueError(f"config.json key 'max_window_layers' must be an int, got {first!r}")
+        sliding = first < hf["num_hidden_layers"]
+    return window if sliding else None
+
+
+def eos_ids(value: Any, where: str) -> tuple[int, ...]:
+    """An EOS entry (null, int or list of ints) as a tuple; `where` names the key in errors."""
+    if value is None:
+        return ()
+    values = value if isinstance(value, list | tuple) else [value]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{where} must be an int or a list of ints, got {value!r}")
+    return tuple(values)
+
+
+def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    """Read the rotary parameters from `rope_parameters` (5.x) or `rope_theta` + `rope_scaling` (4.x)."""
+    if hf.get("rope_parameters") is not None:
+        params, key = dict(hf["rope_parameters"]), "rope_parameters"
+        if "rope_theta" not in params and "rope_theta" in hf:
+            params["rope_theta"] = hf["rope_theta"]
+    else:
+        params, key = dict(hf.get("rope_scaling") or {}), "rope_scaling"
+        params["rope_theta"] = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    if not isinstance(params.get("rope_theta"), int | float) or isinstance(params.get("rope_theta"), bool):
+        raise ValueError(f"config.json rope_theta must be a number, got {params.get('rope_theta')!r}")
+    # Older 4.x files spell the type `type`; a missing type means the original RoPE.
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope type: config.json key '{key}.rope_type' is {rope_type!r}; "
+            f"supported: {', '.join(ROPE_TYPES)}"
+        )
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"unsupported config.json key 'partial_rotary_factor'={partial!r}; only 1.0")
+    if rope_type == "default":
+        return RopeConfig(theta=float(params["rope_theta"]))
+    missing = [k for k in LLAMA3_KEYS if k not in params]
+    if missing:
+        raise ValueError(f"llama3 rope needs config.json key(s) {', '.join(f'{key}.{k}' for k in missing)}")
+    return RopeConfig(
+        theta=float(params["rope_theta"]),
+        type="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )

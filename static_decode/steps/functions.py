@@ -1,0 +1,280 @@
+"""The device-only step functions of generation, over static buffers the host fills.
+
+Every step has the signature `fn(model, cache, bufs, read_len) -> None`: fixed shapes, one Python int
+(`read_len`), no host reads, results written in place into `bufs` (so a CUDA-graph replay overwriting its
+outputs can lose nothing). The capture layer compiles these functions unchanged, one graph per
+(kind, read bucket); `STEPS` maps each kind to its function (static_decode.steps.verify adds the speculative kinds).
+
+One request runs: `prefill` once per chunk of the prompts, then `first` (or `first_greedy`), then `decode`
+(or `decode_greedy`) once per further token. The greedy kinds skip the sort and the noise; the host picks
+them when every row of the request has temperature 0.
+
+Each row counts its own emitted tokens (`bufs.step[b]`): token i of row b is written to out[b, i] and to
+hist[b, plen[b] + i] (hist holds the request's prompt, then its output: what prompt lookup searches). A step
+may emit several tokens per row (a speculative verify step) or none (a row that is done), so the rows' counters
+drift apart. A row that emitted an EOS id, or its `limit` of tokens, is `done`: later steps feed it nothing
+(n_new = 0, so its cache row and length stay put) and write only to the trash column past the output.
+
+Every token a row has fed or emitted is marked in `seen` (the prompt by the host, the output by `emit`), and the
+token-choosing steps penalise those logits by the row's `repeat_penalty` first (sampling.penalize; 1 = off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from static_decode.core.cache import StaticKVCache
+from static_decode.model.llama import Llama
+from static_decode.steps import sampling
+
+PAD = -1  # out[b, i] past row b's last token (the host fills `out` with it per request); never a token id
+
+
+@dataclass
+class StepBuffers:
+    """Static device buffers of one Generator (allocated once; the host only fills them).
+
+    B is the cache's batch (rows past a request's batch are kept `done` and fed nothing), C the chunk size, L the
+    long chunk size (0: no long chunks),
+    N the output capacity (max_len), D the model width, E the number of EOS ids (at least 1; -1 entries match
+    nothing), K the draft tokens of a speculative verify step (0 without speculation), Q the vocabulary of a draft
+    model's probabilities (0 unless a draft model samples), V the vocabulary of `seen` (0: no repetition penalty,
+    for callers that allocate steps without a model). `out` and `hist` have one column more than they can
+    fill: masked writes of a fixed-shape step land there (column N), and the host never reads it.
+    """
+
+    chunk: torch.Tensor  # [B, C] int64 prompt chunk, padded with id 0 past n_new
+    long_chunk: torch.Tensor  # [B, L] int64 a long prompt chunk (`prefill_long`; L = 0 when off), padded likewise
+    n_new: torch.Tensor  # [B] int64 real tokens per row in `chunk`
+    hidden: torch.Tensor  # [B, D] model dtype: final-normed hidden state of each row's last prompt token
+    next: torch.Tensor  # [B, 1] int64 the token each row feeds at the next decode step
+    done: torch.Tensor  # [B] bool the row emitted EOS (or is not part of the request)
+    out: torch.Tensor  # [B, N + 1] int64 emitted tokens, PAD past each row's last (column N: trash)
+    step: torch.Tensor  # [B] int64 tokens each row has emitted (the index of its next one)
+    live_steps: torch.Tensor  # [B] int64 emitting steps in which the row recorded a token (tokens per step)
+    limit: torch.Tensor  # [B] int64 tokens a row may emit (max_new_tokens): it is done once it has
+    hist: torch.Tensor  # [B, N + 1] int64 the request's prompt then its output (column N: trash)
+    plen: torch.Tensor  # [B] int64 prompt tokens of each row in `hist`
+    draft: torch.Tensor  # [B, K] int64 the draft tokens a verify step checks
+    draft_probs: torch.Tensor  # [B, K, Q] float32 a sampling draft model's probabilities for each draft slot
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, <= 0 = off
+    top_p: torch.Tensor  # [B] float32, >= 1 = off
+    seed: torch.Tensor  # [B] int64 per-row 32-bit seed (sampling.row_seed)
+    eos: torch.Tensor  # [E] int64 EOS ids, -1 = unused entry
+    seen: torch.Tensor  # [B, V + 1] bool tokens fed or emitted so far (column V: trash; V = 0: no penalty kept)
+    repeat_penalty: torch.Tensor  # [B] float32 the repetition penalty, 1 = off
+
+    @classmethod
+    def allocate(
+        cls,
+        batch: int,
+        chunk: int,
+        capacity: int,
+        width: int,
+        eos_slots: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        draft_tokens: int = 0,
+        draft_vocab: int = 0,
+        long_chunk: int = 0,
+        vocab: int = 0,
+    ) -> StepBuffers:
+        def z(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dt, device=device)
+
+        return cls(
+            chunk=z(batch, chunk),
+            long_chunk=z(batch, long_chunk),
+            n_new=z(batch),
+            hidden=z(batch, width, dt=dtype),
+            next=z(batch, 1),
+            done=z(batch, dt=torch.bool),
+            out=z(batch, capacity + 1),
+            step=z(batch),
+            live_steps=z(batch),
+            limit=z(batch) + capacity,  # no limit until a request sets one (raw step callers, warm-up)
+            hist=z(batch, capacity + 1),
+            plen=z(batch),
+            draft=z(batch, draft_tokens),
+            draft_probs=z(batch, draft_tokens, draft_vocab, dt=torch.float32),
+            temperature=z(batch, dt=torch.float32),
+            top_k=z(batch),
+            top_p=z(batch, dt=torch.float32),
+            seed=z(batch),
+            eos=z(max(eos_slots, 1)) - 1,
+            seen=z(batch, vocab + 1, dt=torch.bool),
+            repeat_penalty=z(batch, dt=torch.float32) + 1,
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every buffer by name (e.g. to mark them as static addresses for CUDA graphs)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def prefill_chunk(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
+    """Run the model on `bufs.chunk`; keep each row's hidden state at its last real slot (if it has one)."""
+    _prefill(model, cache, bufs, bufs.chunk, read_len)
+
+
+def prefill_long(
+    model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int, *, fresh: bool = False
+) -> None:
+    """`prefill_chunk` over `bufs.long_chunk`. Not a captured kind: the generator runs it uncompiled, where a
+    chunk is long enough for its GEMMs to decide its time (Generator's `long_chunk`). fresh: every row starts
+    empty and fills the chunk (the host's promise; causal attention, `Llama.hidden_states`)."""
+    _prefill(model, cache, bufs, bufs.long_chunk, read_len, fresh)
+
+
+def _prefill(
+    model: Llama, cache: StaticKVCache, bufs: StepBuffers, tokens: torch.Tensor, read_len: int, fresh: bool = False
+) -> None:
+    h = model.hidden_states(tokens, cache, bufs.n_new, read_len, fresh=fresh)  # [B, C, D]
+    B, _, D = h.shape
+    last = (bufs.n_new - 1).clamp(min=0)  # [B]
+    h_last = h.gather(1, last[:, None, None].expand(B, 1, D)).squeeze(1)  # [B, D]
+    bufs.hidden.copy_(torch.where(bufs.n_new[:, None] > 0, h_last, bufs.hidden))
+
+
+def emit(bufs: StepBuffers, tokens: torch.Tensor, count: torch.Tensor) -> None:
+    """Record the first count[b] <= T of tokens [B, T] for each row b: out, hist, next, done, step.
+
+    count is what the step accepted (done rows: 0). A row stops early at an EOS among them or at its `limit`, so
+    it may record fewer; `count` is lowered in place to what was recorded (the caller rolls the cache back by it).
+    """
+    B, T = tokens.shape
+    N = bufs.out.shape[1] - 1  # the trash column
+    t = torch.arange(T, device=tokens.device)  # [T]
+    is_eos = (tokens[:, :, None] == bufs.eos[None, None, :]).any(dim=-1)  # [B, T]
+    # The first EOS among the accepted tokens ends the row after it; so does the limit.
+    first_eos = torch.where(is_eos & (t[None, :] < count[:, None]), t[None, :], T).amin(dim=-1)  # [B]
+    n = torch.minimum(torch.minimum(count, first_eos + 1), bufs.limit - bufs.step)  # [B]
+    n = torch.where(bufs.done, 0, n)
+    keep = t[None, :] < n[:, None]  # [B, T]
+    pos = bufs.step[:, None] + t[None, :]  # [B, T]
+    # index_put_ on the whole buffer, not scatter_: inductor reinplaces the one, and turns the other into a copy of
+    # the buffer, the scatter and a copy back (for `seen`, [B, V + 1] bool, ~1 ms a CPU step; cache.py likewise).
+    rows = torch.arange(B, device=tokens.device)[:, None].expand(B, T)  # [B, T]
+    bufs.out.index_put_((rows, torch.where(keep, pos, N)), tokens)
+    bufs.hist.index_put_((rows, torch.where(keep, bufs.plen[:, None] + pos, N)), tokens)
+    last = tokens.gather(1, (n - 1).clamp(min=0)[:, None])  # [B, 1]
+    bufs.next.copy_(torch.where(n[:, None] > 0, last, bufs.next))  # done rows keep a valid id
+    bufs.step.add_(n)
+    bufs.live_steps.add_((n > 0).to(torch.int64))
+    V = bufs.seen.shape[1] - 1  # a shape: static in a trace
+    if V > 0:
+        marked = torch.ones((), dtype=torch.bool, device=tokens.device)
+        bufs.seen.index_put_((rows, torch.where(keep, tokens, V)), marked)
+    ended = (is_eos & (t[None, :] < n[:, None])).any(dim=-1) | (bufs.step >= bufs.limit)  # [B]
+    bufs.done.copy_(bufs.done | ended)
+    count.copy_(n)
+
+
+def _emit(bufs: StepBuffers, token: torch.Tensor) -> None:
+    """Record one token [B] per live row."""
+    emit(bufs, token[:, None], (~bufs.done).to(torch.int64))
+
+
+def _penalized(logits: torch.Tensor, bufs: StepBuffers) -> torch.Tensor:
+    """logits [B, V] with the repetition penalty applied to each row's seen tokens (unchanged without `seen`)."""
+    if bufs.seen.shape[1] - 1 != logits.shape[-1]:
+        return logits
+    return sampling.penalize(logits, bufs.seen[:, :-1], bufs.repeat_penalty)
+
+
+def _choose(logits: torch.Tensor, bufs: StepBuffers) -> torch.Tensor:
+    """[B] tokens sampled from logits [B, V] (penalised); row b's draw is keyed by (seed[b], step[b])."""
+    logits = _penalized(logits, bufs)
+    return sampling.sample(logits, bufs.temperature, bufs.top_k, bufs.top_p, bufs.seed, bufs.step)
+
+
+def sample_first(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
+    """Emit token 0 of every row from the kept prompt hidden state (cache and read_len unused)."""
+    _emit(bufs, _choose(model.head(bufs.hidden), bufs))
+
+
+def greedy_first(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
+    """`sample_first` for an all-greedy request."""
+    _emit(bufs, sampling.greedy(_penalized(model.head(bufs.hidden), bufs)))
+
+
+def decode_one(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
+    """Feed each live row its next token, then sample and emit the following one."""
+    n_new = (~bufs.done).to(torch.int64)  # [B] done rows append nothing
+    logits = model.step(bufs.next, cache, n_new, read_len)[:, 0]  # [B, V]
+    _emit(bufs, _choose(logits, bufs))
+
+
+def greedy_one(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
+    """`decode_one` for an all-greedy request."""
+    n_new = (~bufs.done).to(torch.int64)  # [B]
+    logits = model.step(bufs.next, cache, n_new, read_len)[:, 0]  # [B, V]
+    _emit(bufs, sampling.greedy(_penalized(logits, bufs)))
+
+
+def read_rows(
+    bufs: StepBuffers, stop: int, finished: np.ndarray, emitted: np.ndarray, eos: set[int], max_new: int
+) -> list[list[int]]:
+    """Host side: each request row's new tokens, out[b, emitted[b]:stop] with PAD stripped (rows emit at their
+    own pace: a done row none, a verify step 1..K+1); updates `finished` (EOS or max_new tokens) and `emitted`."""
+    lo = int(emitted.min())
+    block = bufs.out[: len(finished), lo:stop].cpu().numpy()  # the one sync per read
+    piece = []
+    for b, row in enumerate(block):
+        toks = [int(t) for t in row[emitted[b] - lo :] if t != PAD]
+        if (toks and toks[-1] in eos) or emitted[b] + len(toks) >= max_new:
+            finished[b] = True
+        emitted[b] += len(toks)
+        piece.append(toks)
+    return piece
+
+
+StepFn = Callable[[Llama, StaticKVCache, StepBuffers, int], None]
+
+STEPS: dict[str, StepFn] = {
+    "prefill": prefill_chunk,
+    "first": sample_first,
+    "first_greedy": greedy_first,
+    "decode": decode_one,
+    "decode_greedy": greedy_one,
+}
+UNBUCKETED = ("first", "first_greedy")  # kinds that read no cache: always launched with read_len 0
+GREEDY_KINDS = ("prefill", "first_greedy", "decode_greedy")  # what an all-greedy request launches
+SAMPLED_KINDS = ("prefill", "first", "decode")  # what a request with temperature > 0 launches
+
+
+class StepRunner(Protocol):
+    """What the generator asks of a runner: the read length of a step and the callable of a step kind there.
+
+    `EagerRunner` (here) is the default; `capture.CompiledRunner` compiles the same STEPS, one graph per
+    (kind, read bucket)."""
+
+    def read_len(self, longest: int) -> int:
+        """The read length of a step whose longest row (after it) holds `longest` tokens."""
+        ...
+
+    def step(self, kind: str, read_len: int) -> StepFn:
+        """The callable `fn(model, cache, bufs, read_len)` that runs step `kind` at `read_len`."""
+        ...
+
+
+class EagerRunner:
+    """The uncompiled steps (`steps`: kind -> function, default STEPS), each reading exactly the live length."""
+
+    def __init__(self, steps: dict[str, StepFn] | None = None) -> None:
+        self.steps = dict(STEPS if steps is None else steps)
+
+    def read_len(self, longest: int) -> int:
+        return longest
+
+    def step(self, kind: str, read_len: int) -> StepFn:
+        try:
+            return self.steps[kind]
+        except KeyError:
+            raise KeyError(f"no step kind {kind!r}; the kinds are {tuple(self.steps)}") from None

@@ -1,0 +1,1 @@
+"""Text around the tokens: chat templates and stop strings."""
