@@ -1,4 +1,4 @@
-"""Joined projections (static_decode.model.llama.join_projections): q/k/v as one matmul, gate/up as one.
+"""Joined projections (static_decode.model.joining): q/k/v as one matmul, gate/up as one.
 
 Pins:
 * the joined model's logits equal the unfused model's with the same weights (eager, prefill chunks and decode

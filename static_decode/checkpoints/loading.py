@@ -25,7 +25,8 @@ from safetensors import SafetensorError, safe_open
 from static_decode.checkpoints import quant_io
 from static_decode.checkpoints.hugepages import to_huge_pages
 from static_decode.model.config import LlamaConfig, eos_ids
-from static_decode.model.llama import Llama, hf_name, join_projections
+from static_decode.model.joining import join_projections
+from static_decode.model.llama import Llama, hf_name
 from static_decode.model.parallel import SINGLE, TensorParallel, shard_dim
 from static_decode.model.quant import Scheme, parse, quantize_model
 
@@ -137,7 +138,7 @@ def load_model(
     dtype defaults to the checkpoint's (that of its embedding); device defaults to the CPU. EOS ids land in
     `model.config.eos_token_ids`. With `tp`, the model is this rank's shard (see static_decode.model.parallel) and
     only its slices are read. `fused_projections`: q/k/v and gate/up joined into one weight each (Llama's
-    default; see static_decode.model.llama.join_projections). `quantize` ("int8", "int4", "int4-g64", ...): every
+    default; see static_decode.model.joining). `quantize` ("int8", "int4", "int4-g64", ...): every
     projection and the LM head weight-only quantized once loaded (static_decode.model.quant); a checkpoint saved
     quantized (static_decode.checkpoints.quant_io) loads as it was saved, `quantize` its scheme or None. CPU weights end
     on transparent huge pages where Linux offers them (static_decode.checkpoints.hugepages). Raises, naming the key,

@@ -40,6 +40,7 @@ from static_decode.core.attention import (
 from static_decode.core.cache import IntsLike, LayerSpan, StaticKVCache
 from static_decode.model import projection, rope
 from static_decode.model.config import LlamaConfig
+from static_decode.model.joining import checkpoint_layout
 from static_decode.model.parallel import SINGLE, TensorParallel
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # Llama.kv_dtype
@@ -66,64 +67,6 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-# ---- joined projections ---------------------------------------------------------------------------------------
-# A one-row decode step multiplies one row by each weight: a GEMV bound by reading it, plus a fixed cost per call
-# (a dispatch; on CUDA a kernel launch and a tail where few blocks are left). q, k and v read the same row, as do
-# gate and up, so each group is one nn.Linear whose weight is the checkpoint's matrices stacked by rows, joined
-# once at load: 4 products a layer instead of 7. The checkpoint keeps its own names: `state_dict()` gives the parts
-# (row-block views of the joined weight) and `load_state_dict` takes them and joins them (`join_projections`).
-# Under tensor parallelism a rank's joined weight stacks its own q, k and v slices (its heads), which is not a
-# slice of the whole joined matrix: loading reads the parts' slices and joins those. The joined weight is a plain
-# nn.Linear's, so anything that rewrites linears (quantisation) treats it as one.
-Joined = dict[str, tuple[tuple[str, ...], tuple[int, ...]]]  # joined linear -> (parts in row order, their rows)
-
-
-def _checkpoint_layout(module: nn.Module, joined: Joined) -> None:
-    """Make `module`'s state dict speak the checkpoint's names: its joined linears split into their parts on
-    `state_dict()`, the parts joined on `load_state_dict()`."""
-    module.joined = joined
-    module.register_state_dict_post_hook(_split_state)
-    module.register_load_state_dict_pre_hook(_join_state)
-
-
-def _split_state(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
-    for name, (parts, rows) in module.joined.items():
-        for suffix in (".weight", ".bias"):
-            whole = state.pop(prefix + name + suffix, None)
-            if whole is None:
-                continue
-            for part, piece in zip(parts, whole.split(rows), strict=True):  # row blocks: views, no copy
-                state[prefix + part + suffix] = piece
-
-
-def _join(state: dict, prefix: str, joined: Joined) -> list[str]:
-    """Join the parts found in `state`; return the parts missing where only some were found."""
-    missing = []
-    for name, (parts, _) in joined.items():
-        for suffix in (".weight", ".bias"):
-            keys = [prefix + part + suffix for part in parts]
-            if all(k in state for k in keys):
-                state[prefix + name + suffix] = torch.cat([state.pop(k) for k in keys])  # [sum(rows), ...]
-            elif any(k in state for k in keys):
-                missing += [k for k in keys if k not in state]
-    return missing
-
-
-def _join_state(
-    module: nn.Module, state: dict, prefix: str, local_metadata: dict, strict: bool, missing_keys: list, *_: object
-) -> None:
-    missing_keys += _join(state, prefix, module.joined)  # named by the checkpoint's keys in the error
-
-
-def join_projections(model: nn.Module, state: dict) -> None:
-    """Join, in place, the checkpoint-named parts in `state` (a state dict of `model`'s, by our parameter names)
-    into `model`'s joined projections, popping each layer's parts as it goes (loading: at most one layer's joined
-    weights exist twice at once)."""
-    for name, module in model.named_modules():
-        if getattr(module, "joined", None):
-            _join(state, f"{name}." if name else "", module.joined)
-
-
 def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """A row-parallel projection: this rank's partial product, summed over the ranks, then the bias (once)."""
     if not tp.enabled:
@@ -134,7 +77,7 @@ def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torc
 
 class Attention(nn.Module):
     """Rotary GQA self-attention whose K/V live in the static cache (this rank's heads under `tp`); `fused`: q, k
-    and v are one `qkv_proj` (see `join_projections`)."""
+    and v are one `qkv_proj` (see static_decode.model.joining)."""
 
     def __init__(
         self,
@@ -151,7 +94,7 @@ class Attention(nn.Module):
         kw = {"dtype": dtype, "device": device}
         self.sizes = (hq * d, hkv * d, hkv * d)  # rows of q, k and v in the joined weight
         self.fused = fused
-        if fused:  # column-parallel: this rank's q, k and v rows, one after the other (see `join_projections`)
+        if fused:  # column-parallel: this rank's q, k and v rows, one after the other (see static_decode.model.joining)
             self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.qkv_bias, **kw)
         else:
             self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=cfg.qkv_bias, **kw)  # column-parallel
@@ -164,7 +107,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
         self.heads, self.kv_heads, self.head_dim, self.tp = hq, hkv, d, tp
         if fused:
-            _checkpoint_layout(self, {"qkv_proj": (("q_proj", "k_proj", "v_proj"), self.sizes)})
+            checkpoint_layout(self, {"qkv_proj": (("q_proj", "k_proj", "v_proj"), self.sizes)})
 
     def qkv_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The q, k and v weights [rows, D]: row blocks (views) of the joined weight when fused."""
@@ -218,7 +161,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)) (this rank's slice of the inner width under `tp`); `fused`: gate and
-    up are one `gate_up_proj` (see `join_projections`)."""
+    up are one `gate_up_proj` (see static_decode.model.joining)."""
 
     def __init__(
         self,
@@ -233,7 +176,7 @@ class MLP(nn.Module):
         kw = {"bias": cfg.mlp_bias, "dtype": dtype, "device": device}
         inner = cfg.intermediate_size // tp.world
         self.fused, self.inner = fused, inner
-        if fused:  # column-parallel: this rank's gate rows, then its up rows (see `join_projections`)
+        if fused:  # column-parallel: this rank's gate rows, then its up rows (see static_decode.model.joining)
             self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inner, **kw)
         else:
             self.gate_proj = nn.Linear(cfg.hidden_size, inner, **kw)  # column-parallel
@@ -241,7 +184,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, cfg.hidden_size, **kw)  # row-parallel
         self.tp = tp
         if fused:
-            _checkpoint_layout(self, {"gate_up_proj": (("gate_proj", "up_proj"), (inner, inner))})
+            checkpoint_layout(self, {"gate_up_proj": (("gate_proj", "up_proj"), (inner, inner))})
 
     def glu_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The gate and up weights [inner, D]: row blocks (views) of the joined weight when fused."""
@@ -356,7 +299,7 @@ class Llama(nn.Module):
     formulations compute in the cache's dtype. `tp` makes this the rank's shard of a tensor-parallel model
     (static_decode.model.parallel); a world size that does not divide the KV heads (or the MLP width) is refused here.
     `fused_projections` (default): q/k/v and gate/up are one product each over weights joined by rows (see
-    `join_projections`); the state dict keeps the checkpoint's names either way.
+    static_decode.model.joining); the state dict keeps the checkpoint's names either way.
     """
 
     inv_freq: torch.Tensor

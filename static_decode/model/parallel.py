@@ -17,7 +17,7 @@ Layout over `world` ranks (rank r holds the r-th contiguous slice):
   token from its own device buffer. A vocab-split head (an all-gather of [B, V] logits, or a distributed
   argmax) is the way to save that memory when it matters.
 
-Joined projections (static_decode.model.llama.join_projections): a rank's `qkv_proj` weight is its q slice, then its k
+Joined projections (static_decode.model.joining): a rank's `qkv_proj` weight is its q slice, then its k
 slice, then its v slice, stacked ([(Hq + 2 Hkv) / world * d, D]), and its `gate_up_proj` its gate slice then its up
 slice. That is not a contiguous slice of the whole model's joined matrix (which stacks all of q before any k), so
 a rank never slices a joined weight: it reads the checkpoint's parts by their own slices and joins them.

@@ -128,7 +128,7 @@ def joined(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: tuple[int, ...]
 ) -> tuple[torch.Tensor, ...]:
     """The products of x [..., K] by the weights stacked in `weight` [sum(rows), K] (q/k/v joined at load,
-    static_decode.model.llama.join_projections): one `linear` (one kernel, one dispatch), split into views [...,
+    static_decode.model.joining): one `linear` (one kernel, one dispatch), split into views [...,
     rows[i]]. Each value is the one its part's own product gives: an output element is one weight row's dot product."""
     return linear(x, weight, bias).split(rows, dim=-1)  # views of one [..., sum(rows)] product
 
