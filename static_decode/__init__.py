@@ -15,6 +15,7 @@ _EXPORTS = {
     "GenerationStats": "static_decode.generation.stats",
     "Llama": "static_decode.model.llama",
     "PromptLookup": "static_decode.steps.speculation",
+    "SamplingParams": "static_decode.generation.request",
     "LlamaConfig": "static_decode.model.config",
     "StaticKVCache": "static_decode.core.cache",
     "TensorParallel": "static_decode.model.parallel",

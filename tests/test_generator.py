@@ -16,6 +16,7 @@ import torch
 
 from capture import CaptureOptions, CompileSettings
 from static_decode import Generator, Llama, LlamaConfig, load_model
+from static_decode.checkpoints.loading import default_model_path
 from static_decode.steps.functions import STEPS
 from tests.checkpoints import VOCAB, hf_greedy, hf_llama, save
 
@@ -337,3 +338,33 @@ def generator_default_long() -> int:
     from static_decode.generation.generator import DEFAULT_LONG_CHUNK
 
     return DEFAULT_LONG_CHUNK
+
+
+def test_sampling_params_are_one_checked_value_taken_by_every_entry_point():
+    """SamplingParams: checked when made, frozen; generate, stream, Conversation.send and PrefixCache.stream take
+    it, or its fields as keywords over it, with the same tokens either way."""
+    import dataclasses
+
+    from static_decode import Conversation, SamplingParams
+    from static_decode.generation.prefix_cache import PrefixCache
+
+    gen = Generator(load_model(default_model_path()), max_len=64)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=4)
+    prompt = list(b"def f(x):")
+    want = gen.generate(prompt, 8, temperature=0.8, top_p=0.9, seed=4)
+    assert gen.generate(prompt, 8, params) == want
+    assert list(gen.stream(prompt, 8, params, read_every=3)) == want
+    assert list(Conversation(gen).send(prompt, 8, params)) == want
+    _, pieces = PrefixCache(gen).stream(prompt, 8, params)
+    assert [t for p in pieces for t in p] == want
+    assert gen.generate(prompt, 8, params, seed=5) == gen.generate(prompt, 8, temperature=0.8, top_p=0.9, seed=5)
+    assert gen.generate(prompt, 8, params, temperature=0) == gen.generate(prompt, 8)  # options over it
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.seed = 1
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 0"):
+        SamplingParams(top_p=0)
+    with pytest.raises(TypeError, match="unexpected sampling option 'temprature'; the options are temperature"):
+        gen.generate(prompt, 4, temprature=0.5)
+    with pytest.raises(TypeError, match="sampling must be a SamplingParams, got dict"):
+        gen.generate(prompt, 4, {"temperature": 0.5})
+    assert SamplingParams(top_k=np.int64(3), temperature=np.float32(0.5)) == SamplingParams(top_k=3, temperature=0.5)

@@ -20,10 +20,14 @@ seeded turn draws the same tokens as the same sequence sent to a fresh generator
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from static_decode.base.checks import check_int
 from static_decode.generation.generator import Generator
-from static_decode.generation.request import Request, check_request
+from static_decode.generation.request import Request, SamplingOptions, SamplingParams, check_request
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class Conversation:
@@ -47,27 +51,23 @@ class Conversation:
         self,
         ids: Sequence[int],
         max_new_tokens: int,
+        sampling: SamplingParams | None = None,
         *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        stop_at_eos: bool = True,
         read_every: int | None = None,
-        repeat_penalty: float | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> Iterator[int]:
-        """Append `ids` (the next turn, already rendered and tokenized) and stream the reply's token ids.
+        """Append `ids` (the next turn, already rendered and tokenized) and stream the reply's token ids, picked as
+        `sampling` with `options` over it (Generator.generate).
 
         Checked now, before anything changes, and again when the returned iterator starts the turn: a request
         run on the generator in between (which resets its cache) or another turn sent meanwhile makes the turn
         refuse then, before it touches the cache, rather than append to tokens that are not the history."""
-        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
-                  repeat_penalty=repeat_penalty)
-        self._checked(ids, max_new_tokens, read_every, kw)
-        return self._turn(ids, max_new_tokens, read_every, kw, (self.turns, self._epoch))
+        params = SamplingParams.of(sampling, **options)
+        self._checked(ids, max_new_tokens, read_every, params)
+        return self._turn(ids, max_new_tokens, read_every, params, (self.turns, self._epoch))
 
     def _checked(
-        self, ids: Sequence[int], max_new_tokens: int, read_every: int | None, kw: dict
+        self, ids: Sequence[int], max_new_tokens: int, read_every: int | None, params: SamplingParams
     ) -> tuple[Request, list[int], int]:
         """The turn's checked request, its fed tokens and read-back period; raises naming what is wrong."""
         gen, turn = self.gen, self.turns + 1
@@ -87,7 +87,7 @@ class Conversation:
                 f"{max_new}{extra} = {need} > max_len={gen.max_len}; nothing was sent"
             )
         req = check_request(
-            feed, max_new, **kw, vocab_size=gen.model.config.vocab_size, max_len=gen.max_len - len(self.history),
+            feed, max_new, params, vocab_size=gen.model.config.vocab_size, max_len=gen.max_len - len(self.history),
             max_batch=None, draft_slots=drafts,
         )
         gen.check_penalty(req)
@@ -95,14 +95,15 @@ class Conversation:
         return req, feed, every
 
     def _turn(
-        self, ids: Sequence[int], max_new_tokens: int, read_every: int | None, kw: dict, sent: tuple[int, int | None]
+        self, ids: Sequence[int], max_new_tokens: int, read_every: int | None, params: SamplingParams,
+        sent: tuple[int, int | None],
     ) -> Iterator[int]:
         if (self.turns, self._epoch) != sent:
             raise RuntimeError(
                 f"turn {sent[0] + 1}: the conversation moved on (turn {self.turns} ran) between send() and this "
                 "turn's first token; nothing was sent: send it again"
             )
-        req, feed, every = self._checked(ids, max_new_tokens, read_every, kw)  # the cache is still the history
+        req, feed, every = self._checked(ids, max_new_tokens, read_every, params)  # the cache is still the history
         pieces = self.gen._run(req, every, keep_cache=self._epoch is not None, history=self.history)
         reply: list[int] = []
         for piece in pieces:

@@ -35,7 +35,7 @@ from static_decode.base import ranges
 from static_decode.base.checks import check_int
 from static_decode.core.cache import StaticKVCache
 from static_decode.generation.memory import cache_bytes, check_fits, generation_bytes
-from static_decode.generation.request import Request, check_request
+from static_decode.generation.request import Request, SamplingOptions, SamplingParams, check_request
 from static_decode.generation.speculative_loop import decode_speculative
 from static_decode.generation.stats import GenerationStats
 from static_decode.kernels import cpu_kernel
@@ -55,6 +55,8 @@ from static_decode.steps.speculation import DraftModel, PromptLookup, Speculatio
 from static_decode.steps.verify import speculative_steps
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from capture.report import CaptureRecord, CaptureReport
 
 # Prompt slots per prefill step. Compiled SmolLM2 prefill on the CPU (profiles/RESULTS.md), seconds at 128 / 1,024
@@ -214,9 +216,9 @@ class Generator:
             )
 
     # ---- requests ---------------------------------------------------------------------------------------
-    def _check(self, prompt: object, max_new_tokens: int, **kw: object) -> Request:
+    def _check(self, prompt: object, max_new_tokens: int, sampling: SamplingParams) -> Request:
         req = check_request(
-            prompt, max_new_tokens, **kw, vocab_size=self.model.config.vocab_size, max_len=self.max_len,
+            prompt, max_new_tokens, sampling, vocab_size=self.model.config.vocab_size, max_len=self.max_len,
             max_batch=self.fixed_batch, draft_slots=self.draft_slots,
         )
         self.check_penalty(req)
@@ -237,22 +239,15 @@ class Generator:
         self,
         prompt: Sequence[int] | Sequence[Sequence[int]],
         max_new_tokens: int,
-        *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        stop_at_eos: bool = True,
-        repeat_penalty: float | None = None,
+        sampling: SamplingParams | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> list[int] | list[list[int]]:
         """New token ids for a prompt (a list of ids) or for each prompt of a ragged batch (a list of lists).
 
-        Greedy when temperature is 0; otherwise sampled on the device (top_k / top_p optional), reproducibly
-        when `seed` is given. A row stops after it emits an EOS id (included) when stop_at_eos. repeat_penalty
-        (> 0; None or 1 = off) penalises every token the row has fed or emitted (static_decode.steps.sampling.penalize).
+        How tokens are picked: `sampling` (default greedy) with `options` over it, SamplingParams' fields by name
+        (`temperature`, `top_k`, `top_p`, `seed`, `stop_at_eos`, `repeat_penalty`); checked before anything runs.
         """
-        req = self._check(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                          stop_at_eos=stop_at_eos, repeat_penalty=repeat_penalty)
+        req = self._check(prompt, max_new_tokens, SamplingParams.of(sampling, **options))
         out: list[list[int]] = [[] for _ in req.rows]
         for piece in self._run(req, self.read_every):
             for b, toks in enumerate(piece):
@@ -263,20 +258,15 @@ class Generator:
         self,
         prompt: Sequence[int] | Sequence[Sequence[int]],
         max_new_tokens: int,
+        sampling: SamplingParams | None = None,
         *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        stop_at_eos: bool = True,
         read_every: int | None = None,
-        repeat_penalty: float | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> Iterator[int] | Iterator[list[list[int]]]:
         """Like `generate`, but yields tokens as they are read back: every `read_every` steps (default: the
         generator's), and the first token as soon as it exists. For a single prompt it yields token ids one by
         one; for a batch, one list of new ids per row at each read. The request is checked before this returns."""
-        req = self._check(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                          stop_at_eos=stop_at_eos, repeat_penalty=repeat_penalty)
+        req = self._check(prompt, max_new_tokens, SamplingParams.of(sampling, **options))
         every = self.read_every if read_every is None else check_int("read_every", read_every, minimum=1)
         pieces = self._run(req, every)
         return pieces if not req.single else (t for piece in pieces for t in piece[0])

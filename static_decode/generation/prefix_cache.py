@@ -18,12 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from static_decode.base.checks import check_int
 from static_decode.generation.generator import Generator
-from static_decode.generation.request import Request, check_request
+from static_decode.generation.request import Request, SamplingOptions, SamplingParams, check_request
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -69,34 +73,29 @@ class PrefixCache:
         self,
         prompt: Sequence[int],
         max_new_tokens: int,
+        sampling: SamplingParams | None = None,
         *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        stop_at_eos: bool = True,
-        repeat_penalty: float | None = None,
         read_every: int | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> tuple[Reuse, Iterator[list[int]]]:
         """Check the request (a ValueError/TypeError naming the bad value; nothing changes), then return how it
-        starts and an iterator over its new tokens, one list per read-back. The cache is cut back to the reused
-        prefix when the iterator starts; if another request changed the cache in between, the iterator refuses
-        then (RuntimeError), before it touches anything."""
+        starts and an iterator over its new tokens, one list per read-back; tokens are picked as `sampling` with
+        `options` over it (Generator.generate). The cache is cut back to the reused prefix when the iterator
+        starts; if another request changed the cache in between, the iterator refuses then (RuntimeError), before
+        it touches anything."""
         gen = self.gen
+        params = SamplingParams.of(sampling, **options)
         prompt = list(prompt) if isinstance(prompt, Sequence) and not isinstance(prompt, str | bytes) else prompt
         check_request(  # the whole prompt, as a fresh request would be checked (bounds, ids, sampling)
-            prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            stop_at_eos=stop_at_eos, repeat_penalty=repeat_penalty, vocab_size=gen.model.config.vocab_size,
-            max_len=gen.max_len, max_batch=1, draft_slots=gen.draft_slots,
+            prompt, max_new_tokens, params, vocab_size=gen.model.config.vocab_size, max_len=gen.max_len,
+            max_batch=1, draft_slots=gen.draft_slots,
         )
         reuse = self.plan(prompt)
         req = check_request(
-            prompt[reuse.cached :], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            stop_at_eos=stop_at_eos, repeat_penalty=repeat_penalty, vocab_size=gen.model.config.vocab_size,
+            prompt[reuse.cached :], max_new_tokens, params, vocab_size=gen.model.config.vocab_size,
             max_len=gen.max_len - reuse.cached, max_batch=1, draft_slots=gen.draft_slots,
         )
-        if req.repeat_penalty != 1.0 and gen.speculate is not None:  # the generator's own refusal, made here
-            raise ValueError(f"repeat_penalty={req.repeat_penalty} is not supported with speculative decoding")
+        gen.check_penalty(req)  # the generator's own refusal (a penalty with speculation), made here
         every = gen.read_every if read_every is None else check_int("read_every", read_every, minimum=1)
         return reuse, self._run(req, every, prompt, reuse)
 

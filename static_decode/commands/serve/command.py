@@ -36,7 +36,7 @@ from static_decode.commands.args import (
     speculation,
 )
 from static_decode.generation.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
-from static_decode.generation.request import check_request
+from static_decode.generation.request import SamplingParams
 
 DEFAULT_MAX_LEN = 4096  # cache positions per request (capped by the model's own limit)
 DEFAULT_QUEUE = 16  # requests that may wait behind the running one
@@ -55,7 +55,7 @@ def _check_args(args: argparse.Namespace) -> None:
              "repeat_penalty": args.repeat_penalty}
     for name, value in flags.items():
         try:
-            check_request([0], 1, **{name: value}, vocab_size=1, max_len=2)
+            SamplingParams(**{name: value})
         except (ValueError, TypeError) as e:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: {e}") from None
     speculating = getattr(args, "speculate", None) is not None or getattr(args, "draft_model", None) is not None
