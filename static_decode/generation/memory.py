@@ -4,14 +4,15 @@ A KV cache is sized by max_len, and a large --max-len asks for tens of GiB at on
 failing later gives an allocator traceback (or, on a CPU host, the OOM killer); checking the byte count against
 the device's free memory first gives one sentence in GiB and leaves the caller's state untouched.
 
-`generation_bytes` is exact, not an estimate: it mirrors the shapes of `StaticKVCache` (cache.py) and
-`StepBuffers.allocate` (steps.py), and tests/test_memory.py pins it to the `.nbytes` of a real allocation, so a
-buffer added there without being counted here fails that test. Memory the steps need while they run
+`generation_bytes` is exact, not an estimate: it mirrors the shapes of `StaticKVCache` (core/cache.py) and counts
+the step buffers from the table they are allocated from (steps/functions.py's `buffer_layout`), and
+tests/test_memory.py pins it to the `.nbytes` of a real allocation. Memory the steps need while they run
 (activations, logits, compiled graphs) is not counted: it depends on the runner, and is small next to the cache.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -21,12 +22,11 @@ from static_decode.core.cache import SPARE_ROWS
 from static_decode.model.config import LlamaConfig
 from static_decode.model.quant import read_bytes as quant_read_bytes
 from static_decode.model.quant import weight_bytes as quant_weight_bytes
+from static_decode.steps.functions import buffer_layout
 
 GIB = 1024**3
 MEMINFO = Path("/proc/meminfo")
-INT64 = 8  # bytes of the int64 buffers (token ids, lengths, counters, seeds)
-FLOAT32 = 4  # bytes of the float32 sampling buffers (temperature, top_p)
-BOOL = 1  # bytes of the bool buffers (`done`, `seen`)
+INT64 = 8  # bytes of the cache's int64 lengths
 
 
 def cache_bytes(
@@ -54,22 +54,10 @@ def buffer_bytes(
     vocab: int = 0,
 ) -> int:
     """Bytes of `StepBuffers.allocate(batch, chunk_size, capacity, width, eos_slots, dtype=dtype,
-    draft_tokens=draft_tokens, draft_vocab=draft_vocab, long_chunk=long_chunk, vocab=vocab)`."""
-    int64_elems = (
-        batch * chunk_size  # chunk
-        + batch * long_chunk  # long_chunk
-        + batch  # n_new
-        + batch  # next ([B, 1])
-        + 2 * batch * (capacity + 1)  # out and hist (each with its trash column)
-        + 4 * batch  # step, live_steps, limit, plen
-        + batch  # top_k
-        + batch  # seed
-        + max(eos_slots, 1)  # eos (at least one entry, so the EOS test has a shape)
-        + batch * draft_tokens  # draft
-    )
-    float32_elems = 3 * batch + batch * draft_tokens * draft_vocab  # temperature, top_p, repeat_penalty; draft_probs
-    bool_elems = batch + batch * (vocab + 1)  # done; seen (with its trash column)
-    return int64_elems * INT64 + batch * width * _itemsize(dtype) + bool_elems * BOOL + float32_elems * FLOAT32
+    draft_tokens=draft_tokens, draft_vocab=draft_vocab, long_chunk=long_chunk, vocab=vocab)`, from the same table."""
+    layout = buffer_layout(batch, chunk_size, capacity, width, eos_slots, dtype=dtype, draft_tokens=draft_tokens,
+                           draft_vocab=draft_vocab, long_chunk=long_chunk, vocab=vocab)
+    return sum(math.prod(shape) * _itemsize(dt) for shape, dt, _ in layout.values())
 
 
 def generation_bytes(

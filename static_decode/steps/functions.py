@@ -86,36 +86,56 @@ class StepBuffers:
         long_chunk: int = 0,
         vocab: int = 0,
     ) -> StepBuffers:
-        def z(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dt, device=device)
-
-        return cls(
-            chunk=z(batch, chunk),
-            long_chunk=z(batch, long_chunk),
-            n_new=z(batch),
-            hidden=z(batch, width, dt=dtype),
-            next=z(batch, 1),
-            done=z(batch, dt=torch.bool),
-            out=z(batch, capacity + 1),
-            step=z(batch),
-            live_steps=z(batch),
-            limit=z(batch) + capacity,  # no limit until a request sets one (raw step callers, warm-up)
-            hist=z(batch, capacity + 1),
-            plen=z(batch),
-            draft=z(batch, draft_tokens),
-            draft_probs=z(batch, draft_tokens, draft_vocab, dt=torch.float32),
-            temperature=z(batch, dt=torch.float32),
-            top_k=z(batch),
-            top_p=z(batch, dt=torch.float32),
-            seed=z(batch),
-            eos=z(max(eos_slots, 1)) - 1,
-            seen=z(batch, vocab + 1, dt=torch.bool),
-            repeat_penalty=z(batch, dt=torch.float32) + 1,
-        )
+        """Every buffer of `buffer_layout`, filled with its starting value."""
+        layout = buffer_layout(batch, chunk, capacity, width, eos_slots, dtype=dtype, draft_tokens=draft_tokens,
+                               draft_vocab=draft_vocab, long_chunk=long_chunk, vocab=vocab)
+        return cls(**{name: torch.full(shape, fill, dtype=dt, device=device)
+                      for name, (shape, dt, fill) in layout.items()})
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every buffer by name (e.g. to mark them as static addresses for CUDA graphs)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def buffer_layout(
+    batch: int,
+    chunk: int,
+    capacity: int,
+    width: int,
+    eos_slots: int,
+    *,
+    dtype: torch.dtype,
+    draft_tokens: int = 0,
+    draft_vocab: int = 0,
+    long_chunk: int = 0,
+    vocab: int = 0,
+) -> dict[str, tuple[tuple[int, ...], torch.dtype, float]]:
+    """name -> (shape, dtype, starting value) of every step buffer: the one table `StepBuffers.allocate` makes and
+    static_decode.generation.memory counts."""
+    i64, f32, b = torch.int64, torch.float32, torch.bool
+    return {
+        "chunk": ((batch, chunk), i64, 0),
+        "long_chunk": ((batch, long_chunk), i64, 0),
+        "n_new": ((batch,), i64, 0),
+        "hidden": ((batch, width), dtype, 0),
+        "next": ((batch, 1), i64, 0),
+        "done": ((batch,), b, 0),
+        "out": ((batch, capacity + 1), i64, 0),  # column capacity: trash
+        "step": ((batch,), i64, 0),
+        "live_steps": ((batch,), i64, 0),
+        "limit": ((batch,), i64, capacity),  # no limit until a request sets one (raw step callers, warm-up)
+        "hist": ((batch, capacity + 1), i64, 0),
+        "plen": ((batch,), i64, 0),
+        "draft": ((batch, draft_tokens), i64, 0),
+        "draft_probs": ((batch, draft_tokens, draft_vocab), f32, 0),
+        "temperature": ((batch,), f32, 0),
+        "top_k": ((batch,), i64, 0),
+        "top_p": ((batch,), f32, 0),
+        "seed": ((batch,), i64, 0),
+        "eos": ((max(eos_slots, 1),), i64, -1),  # at least one entry, so the EOS test has a shape
+        "seen": ((batch, vocab + 1), b, 0),  # column vocab: trash
+        "repeat_penalty": ((batch,), f32, 1),
+    }
 
 
 def prefill_chunk(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
