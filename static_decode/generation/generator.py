@@ -272,10 +272,11 @@ class Generator:
         return pieces if not req.single else (t for piece in pieces for t in piece[0])
 
     # ---- one request on the device ------------------------------------------------------------------------
-    def _prepare(self, req: Request, keep_cache: bool = False, history: Sequence[int] = ()) -> None:
+    def _prepare(self, req: Request, keep_cache: bool = False, history: Sequence[int] = ()) -> list[int]:
         """Reset the cache (unless a conversation continues on it) and fill the per-request buffers (allocating,
         and capturing, on first need). `history`: what row 0 of a kept cache holds before the request's row, which
-        prompt lookup searches as it would the same tokens fed in this request."""
+        prompt lookup searches as it would the same tokens fed in this request; returns the part of it kept (none
+        when the cache was reset)."""
         if self.cache is None or len(req.rows) > self.cache.batch:
             self._allocate(len(req.rows))
             keep_cache = False
@@ -314,6 +315,7 @@ class Generator:
         bufs.seen.scatter_(1, torch.from_numpy(marks).to(bufs.seen.device), True)  # the prompt counts as seen
         eos = list(self.eos_token_ids) if req.stop_at_eos else []
         bufs.eos.copy_(torch.tensor(eos + [-1] * (bufs.eos.shape[0] - len(eos)), dtype=torch.int64))
+        return history
 
     def _prefill(self, rows: list[list[int]]) -> None:
         """Feed the prompts in chunks (the last padded); rows run out at their length. While the longest row has
@@ -365,7 +367,7 @@ class Generator:
     def _run_unlocked(
         self, req: Request, every: int, keep_cache: bool, history: Sequence[int]
     ) -> Iterator[list[list[int]]]:
-        self._prepare(req, keep_cache, history)  # may allocate and capture: untimed
+        history = self._prepare(req, keep_cache, history)  # may allocate and capture: untimed
         t0 = time.perf_counter()
         cache, bufs, model, R, max_new = self.cache, self.bufs, self.model, len(req.rows), req.max_new_tokens
         eos = set(self.eos_token_ids) if req.stop_at_eos else set()
@@ -387,8 +389,7 @@ class Generator:
                 t1 = time.perf_counter()
                 yield piece
                 policy = SpeculationPolicy(self.speculate)
-                searched = list(history) if keep_cache else []  # what _prepare put before row 0 for the lookup
-                steps = yield from decode_speculative(self, req, every, policy, finished, emitted, eos, searched)
+                steps = yield from decode_speculative(self, req, every, policy, finished, emitted, eos, history)
             else:
                 steps = 0
                 longest = int(cache.host_lens.max())  # exact now; an upper bound from here on

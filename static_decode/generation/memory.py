@@ -41,22 +41,8 @@ def cache_bytes(
     return 2 * per_tensor * _itemsize(dtype) + batch * INT64
 
 
-def buffer_bytes(
-    batch: int,
-    chunk_size: int,
-    capacity: int,
-    width: int,
-    eos_slots: int,
-    dtype: torch.dtype,
-    draft_tokens: int = 0,
-    draft_vocab: int = 0,
-    long_chunk: int = 0,
-    vocab: int = 0,
-) -> int:
-    """Bytes of `StepBuffers.allocate(batch, chunk_size, capacity, width, eos_slots, dtype=dtype,
-    draft_tokens=draft_tokens, draft_vocab=draft_vocab, long_chunk=long_chunk, vocab=vocab)`, from the same table."""
-    layout = buffer_layout(batch, chunk_size, capacity, width, eos_slots, dtype=dtype, draft_tokens=draft_tokens,
-                           draft_vocab=draft_vocab, long_chunk=long_chunk, vocab=vocab)
+def layout_bytes(layout: dict[str, tuple[tuple[int, ...], torch.dtype, float]]) -> int:
+    """Bytes of the step buffers of `layout` (steps.functions.buffer_layout: what StepBuffers.allocate makes)."""
     return sum(math.prod(shape) * _itemsize(dt) for shape, dt, _ in layout.values())
 
 
@@ -83,10 +69,10 @@ def generation_bytes(
     chunk_size = check_int("chunk_size", chunk_size, minimum=1)
     eos_slots = check_int("eos_slots", eos_slots, minimum=0)
     kv = dtype if kv_dtype is None else kv_dtype
-    return cache_bytes(config, batch, max_len, kv, kv_heads=kv_heads) + buffer_bytes(
-        batch, chunk_size, max_len, config.hidden_size, eos_slots, dtype, draft_tokens, draft_vocab, long_chunk,
-        config.vocab_size,
-    )
+    layout = buffer_layout(batch, chunk_size, max_len, config.hidden_size, eos_slots, dtype=dtype,
+                           draft_tokens=draft_tokens, draft_vocab=draft_vocab, long_chunk=long_chunk,
+                           vocab=config.vocab_size)
+    return cache_bytes(config, batch, max_len, kv, kv_heads=kv_heads) + layout_bytes(layout)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

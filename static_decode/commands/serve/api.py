@@ -109,7 +109,7 @@ def _unhonoured(body: dict[str, Any]) -> None:
     """400 for the first field in UNHONOURED set to a value other than its neutral ones."""
     for name, neutral in UNHONOURED.items():
         v = body.get(name)
-        if not any(v == n and type(v) is type(n) or (v is None and n is None) for n in neutral):
+        if not any(type(v) is type(n) and v == n for n in neutral):  # True is not 1, 0.0 is listed apart
             shown = json.dumps(v)[:80] if _jsonable(v) else repr(v)[:80]
             allowed = " or ".join("null" if n is None else json.dumps(n) for n in neutral)
             raise _bad(f"{name} is not supported by this server (got {shown}); leave it out or set it to {allowed}",
