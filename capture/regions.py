@@ -47,7 +47,8 @@ from capture import _dynamo_counters as dc
 from capture.settings import CompileSettings
 from static_decode.core.cache import LayerSpan, StaticKVCache
 from static_decode.model import fused_decode
-from static_decode.model.llama import Llama, run_blocks, step_attention
+from static_decode.model.blocks import run_blocks, step_attention
+from static_decode.model.llama import Llama
 
 _LIVE: dict[int, LayerRegions] = {}  # handle -> the regions of a live runner (the op finds its region here)
 _HANDLES = itertools.count()
@@ -146,7 +147,7 @@ def _(
 class LayerRegions:
     """The model's blocks as `regions` equal spans compiled apart, for one runner (one cache).
 
-    A `static_decode.model.llama.LayerRunner`: `installed()` makes it the model's runner around each call of a compiled
+    A `static_decode.model.blocks.LayerRunner`: `installed()` makes it the model's runner around each call of a compiled
     step, so tracing the step puts one `layer_region` op per span where the inline loop was. graphs: the region
     graphs allowed before dynamo's recompile limit (chunk shapes x read buckets when the read length is static).
     """

@@ -39,7 +39,9 @@ its record is made then.
 
 Formulations (CUDA): a kind whose compile fails while a key-splitting attention formulation is in use compiles
 again with the next one (flex, then split_key, then the one-call sdpa_folded; static_decode.core.attention), before
-any eager fallback: the step stays compiled. `formulation_fallbacks` names what gave way per kind.
+any eager fallback: the step stays compiled. The registry owns that order: it calls the kind's step with a view of
+the model that resolves past what failed (`Llama.skipping`), so no other kind changes; `formulation_fallbacks`
+names what gave way per kind, and why.
 
 Fallback (`fallback=True`, the Generator's default for a tensor-parallel model): when compiling or capturing a
 kind fails (a collectives backend that a graph cannot hold, say), that kind runs its eager step from then on,
@@ -190,7 +192,8 @@ class StepRegistry:
         self.fallbacks: dict[str, str] = {}  # kind -> why it runs eagerly
         # CUDA: a compile failure first retries with the next key-splitting attention formulation (_next_formulation)
         self.formulation_retry = self.device.type == "cuda" and self.settings.backend == "inductor"
-        self.formulation_fallbacks: dict[str, list[str]] = {}  # kind -> formulations that failed to compile for it
+        self.formulation_fallbacks: dict[str, dict[str, str]] = {}  # kind -> {formulation that failed: why}
+        self._views: dict[str, tuple[Any, Any]] = {}  # kind -> (the model it was called with, the view it gets)
 
     # ---- what exists --------------------------------------------------------------------------------------
     @property
@@ -244,6 +247,8 @@ class StepRegistry:
         around = self.around if self.around is not None and not eager else contextlib.nullcontext
 
         def call(*a: Any) -> Any:
+            if kind in self.formulation_fallbacks:
+                a = (self._view(kind, a[0]), *a[1:])
             if fixed is not None:
                 a = (*a[:-1], fixed)
             elif symbolic:
@@ -346,21 +351,29 @@ class StepRegistry:
         return out, record
 
     def _next_formulation(self, kind: str, error: Exception) -> bool:
-        """A compile on CUDA failed: mark the first attention formulation still in use among the key-splitting
-        ones (attention.CUDA_DECODE_ORDER: flex, then split_key) failed, so that the retried compile resolves past
-        it. False when none is left to give way (then the kind falls back to eager, or the error is raised)."""
+        """A compile on CUDA failed: record that the first key-splitting attention formulation still in use
+        (attention.CUDA_DECODE_ORDER: flex, then split_key) failed for this kind, whose retried compile resolves
+        past it. False when none is left to give way (then the kind falls back to eager, or the error is raised)."""
         if not self.formulation_retry:
             return False
-        failed = attention.failed_formulations()
+        failed = self.formulation_fallbacks.get(kind, {})
         left = [impl for impl in attention.CUDA_DECODE_ORDER[:-1] if impl not in failed]
         if not left:
             return False
         lines = str(error).strip().splitlines()
         why = f"{type(error).__name__}: {lines[0] if lines else ''}"[:200]
-        attention.formulation_failed(left[0], why)
-        self.formulation_fallbacks.setdefault(kind, []).append(left[0])
+        self.formulation_fallbacks[kind] = {**failed, left[0]: why}
         console().print(f"[capture] step {kind!r}: attention {left[0]!r} failed to compile ({why}); compiling again")
         return True
+
+    def _view(self, kind: str, model: Any) -> Any:
+        """The model `kind`'s step is called with once a formulation failed for it: a view that resolves past
+        those formulations (`Llama.skipping`), made once per model so that its compiled graph is reused."""
+        seen = self._views.get(kind)
+        skip = tuple(self.formulation_fallbacks[kind])
+        if seen is None or seen[0] is not model or seen[1].attn_skip != skip:
+            seen = self._views[kind] = (model, model.skipping(skip))
+        return seen[1]
 
     def _fall_back(self, kind: str, error: Exception) -> None:
         """From now on run `kind` eagerly; remember why (the first line of the error)."""

@@ -19,7 +19,7 @@ Phases (profiles/gpu_check_phases.py), each in a process of its own under its ow
 Every row is appended to $OUT/gpu_check_rows.jsonl the moment it is measured (a phase cut by its budget keeps
 what it measured); after each phase $OUT/gpu_check_summary.json and gpu_check.md are rewritten from the rows.
 `--dry-run` runs every phase on the CPU with a tiny shape (dynamo's eager backend) and writes the same files
-(tests/test_gpu_check.py). Uses the machine's python and packages as they are; torch 2.11 or newer.
+(tests/profiles/test_gpu_check.py). Uses the machine's python and packages as they are; torch 2.11 or newer.
 """
 
 from __future__ import annotations

@@ -118,7 +118,6 @@ def phase_correct_attention(ctx: Ctx) -> None:
                                  ok=err <= tol and padded_zero and bool(torch.isfinite(got).all()))
                 except Exception as e:  # noqa: BLE001 - a failing formulation is a row, not the end of the phase
                     ctx.rows.add("correct", **row, ok=False, error=error_text(e))
-    ctx.rows.add("formulations_failed", failed=attn.failed_formulations())
 
 
 def phase_attention(ctx: Ctx) -> None:
@@ -163,8 +162,9 @@ def _capture_rows(ctx: Ctx, gen: Generator, process: str, setting: str = "defaul
                      seconds=round(r.seconds, 2), graphs=r.graphs, pool_bytes=r.pool_bytes,
                      cudagraph_skips=r.cudagraph_skips, recompiles=r.recompiles, fallback=r.fallback)
     registry = getattr(gen.runner, "registry", None)
-    ctx.rows.add("formulations_failed", failed=attn.failed_formulations(),
-                 per_kind=getattr(registry, "formulation_fallbacks", {}))
+    per_kind = getattr(registry, "formulation_fallbacks", {})
+    failed = {impl: why for kinds in per_kind.values() for impl, why in kinds.items()}
+    ctx.rows.add("formulations_failed", failed=failed, per_kind=per_kind)
     return len(records)
 
 

@@ -15,7 +15,7 @@ gpu_check_tp{N}.json and gpu_check_tp{N}.md:
     python -m torch.distributed.run --standalone --nproc-per-node 2 profiles/gpu_check_tp.py
 
 The shapes, timer and decode timing are profiles/gpu_check.py's. `--tiny --device cpu` runs the same logic on
-a toy shape with gloo (tests/test_gpu_check.py).
+a toy shape with gloo (tests/profiles/test_gpu_check.py).
 """
 
 from __future__ import annotations

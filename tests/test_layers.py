@@ -224,3 +224,17 @@ def test_profiles_import_each_other_in_no_cycle() -> None:
             edges[m] |= {n for n in names if n in files and n != m}
     assert any(edges.values())  # the checker sees the imports at all
     assert cycles(edges) == []
+
+
+def test_the_tests_mirror_the_package_folders() -> None:
+    """Each folder of tests/ is named after a folder of the code (static_decode/<x>, capture, profiles, and
+    commands' own bench/ and serve/), but support/, which holds the shared helpers and is no test module's home;
+    the project-wide checks (this file, the docs, the wheel, no hang) sit at the top."""
+    package = ROOT / "static_decode"
+    code = {p.parent.relative_to(package).as_posix() for p in package.rglob("__init__.py")}
+    code |= {"capture", "profiles"}
+    tests = {p.parent.relative_to(ROOT / "tests").as_posix() for p in (ROOT / "tests").rglob("__init__.py")} - {"."}
+    assert "support" in tests and not list((ROOT / "tests" / "support").glob("test_*.py"))
+    assert tests - {"support"} <= code, sorted(tests - {"support"} - code)
+    top = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    assert top == {"test_layers.py", "test_docs.py", "test_wheel.py", "test_no_hang.py"}, sorted(top)

@@ -98,7 +98,7 @@ def session(requested_device: str | None = None) -> Iterator[Launch]:
     # Imported before the group exists, on purpose: torch._dynamo and the functional collectives, imported after
     # init_process_group, keep the group alive past destroy_process_group (torch 2.13), and so its gloo worker
     # threads live on into the interpreter's teardown, where one releasing a collective's tensor takes the GIL and
-    # aborts the process ("terminate called without an active exception"; tests/test_launch.py).
+    # aborts the process ("terminate called without an active exception"; tests/commands/test_launch.py).
     for name in ("torch._dynamo", "torch.distributed._functional_collectives"):
         importlib.import_module(name)
 

@@ -71,7 +71,7 @@ def _threads() -> int:
 # A constant of the trace (dynamo cannot trace torch.get_num_threads): a graph keeps the formulation chosen for the
 # thread count it was compiled under; correct either way, only the speed depends on it. This is exactly what
 # `torch.compiler.assume_constant_result` does (it sets this marker), without importing torch._dynamo here: `--help`
-# and the eager paths never load the compiler (tests/test_layers.py; tests/test_attention.py checks the marker).
+# and the eager paths never load the compiler (tests/test_layers.py; tests/core/test_attention.py checks the marker).
 _threads._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
@@ -84,32 +84,11 @@ _threads._dynamo_marked_constant = True  # type: ignore[attr-defined]
 #           PyTorch's unfused reference);
 #   "split_key": blocks of keys through SDPA's memory-efficient kernel plus one combine (any shape, eager too);
 #   "sdpa_folded": the one-call formulation, where the others failed to compile.
-# A formulation that fails to compile in this process (`formulation_failed`, the capture registry's retry) is
-# skipped from then on: the step compiles again with the next one, never falling back to an eager step.
+# A formulation that fails to compile is skipped for that step kind from then on: the capture registry owns that
+# retry and hands the step a model whose `attn_skip` names it (`Llama.skipping`), so the step compiles again with
+# the next one, never falling back to an eager step.
 CUDA_DECODE_ORDER = ("flex", "split_key", "sdpa_folded")
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_FAILED: dict[str, str] = {}  # formulation -> why it failed to compile in this process
-
-
-def formulation_failed(impl: str, why: str) -> None:
-    """Record that `impl` failed to compile here: CUDA steps resolve past it from now on."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    _FAILED.setdefault(impl, why)
-
-
-def failed_formulations() -> dict[str, str]:
-    """Formulations that failed to compile in this process, with the first line of why."""
-    return dict(_FAILED)
-
-
-def _failed_now() -> tuple[str, ...]:
-    return tuple(sorted(_FAILED))  # a tuple of str: a constant every dynamo version takes
-
-
-# A constant of the trace like `_threads`: a graph keeps the formulation it compiled with (no guard on the failures
-# recorded later, so a kind that compiled does not recompile when another kind's formulation fails).
-_failed_now._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def flex_fits(groups: int, query_len: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -132,7 +111,7 @@ def cuda_decode_impl(
     failed: Collection[str] = (),
 ) -> str:
     """The formulation of a CUDA decode or verify step (CUDA_DECODE_ORDER): "flex" inside a compile where it fits,
-    else "split_key", each unless it failed to compile in this process; "sdpa_folded" last."""
+    else "split_key", each unless it is in `failed` (it failed to compile for this step); "sdpa_folded" last."""
     for impl in CUDA_DECODE_ORDER:
         if impl in failed:
             continue
@@ -158,21 +137,22 @@ def resolve_impl(
     dtype: torch.dtype = torch.float32,
     *,
     groups: int | None = None,
+    skip: Collection[str] = (),
 ) -> str:
     """The formulation `impl` names, "auto" resolved for a step of `rows` query rows per KV head (G * T, `groups`
     query heads per KV head; None: rows, a one-token step) over K/V of `head_dim` and `dtype`. On CUDA, decode and
-    verify steps (at most SPLIT_MAX_ROWS rows) split the key axis (`cuda_decode_impl`), and a formulation that
-    failed to compile here gives way to the next one, named or not. On the CPU, for a step of at most
-    SPLIT_MAX_ROWS rows: "decode_kernel" where the kernel takes the shapes and is built (SmolLM2-135M decode
+    verify steps (at most SPLIT_MAX_ROWS rows) split the key axis (`cuda_decode_impl`), and a formulation in
+    `skip` (it failed to compile for this step) gives way to the next one, named or not. On the CPU, for a step of
+    at most SPLIT_MAX_ROWS rows: "decode_kernel" where the kernel takes the shapes and is built (SmolLM2-135M decode
     attention at 8k keys, 30 layers, 2 threads: 20 ms against split_key's 32 and sdpa_folded's 38,
     profiles/RESULTS.md); else "split_key" when the batch's KV heads, the work items SDPA's CPU kernel then has, do
     not spread evenly over torch's threads (SmolLM2 at 8k: 9% faster than sdpa_folded; Llama-3.1-8B's 8 KV heads:
     2-4% slower); else "sdpa_folded", as for prefill chunks (384 rows: enough query blocks) and on other devices."""
     kernel = cpu_kernel.supports(rows, head_dim, dtype, device)
-    if device.type == "cuda" and (impl == AUTO and rows <= SPLIT_MAX_ROWS or impl in _failed_now()):
+    if device.type == "cuda" and (impl == AUTO and rows <= SPLIT_MAX_ROWS or impl in skip):
         G = rows if groups is None else max(1, groups)
         return cuda_decode_impl(
-            G, max(1, rows // G), head_dim, dtype, compiling=torch.compiler.is_compiling(), failed=_failed_now()
+            G, max(1, rows // G), head_dim, dtype, compiling=torch.compiler.is_compiling(), failed=skip
         )
     if impl == "decode_kernel":  # named: the kernel where it applies (and builds), the general formulation elsewhere
         return impl if kernel and cpu_kernel.available() else "sdpa_folded"

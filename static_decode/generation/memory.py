@@ -6,7 +6,7 @@ the device's free memory first gives one sentence in GiB and leaves the caller's
 
 `generation_bytes` is exact, not an estimate: it mirrors the shapes of `StaticKVCache` (core/cache.py) and counts
 the step buffers from the table they are allocated from (steps/functions.py's `buffer_layout`), and
-tests/test_memory.py pins it to the `.nbytes` of a real allocation. Memory the steps need while they run
+tests/generation/test_memory.py pins it to the `.nbytes` of a real allocation. Memory the steps need while they run
 (activations, logits, compiled graphs) is not counted: it depends on the runner, and is small next to the cache.
 """
 

@@ -34,6 +34,7 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -48,7 +49,7 @@ HEADERS = [CSRC / name for name in ("kernels.h", "checks.h", "attention_avx512.h
 ENV = "STATIC_DECODE_CPU_KERNEL"  # "0": never build or use the kernels
 WAIT_ENV = "STATIC_DECODE_BUILD_WAIT"  # seconds to wait for another process's build (default BUILD_WAIT)
 BUILD_WAIT = 1800.0
-BUILD_SECONDS = 220  # one build of these sources, measured on the 2-vCPU machine with other processes busy (load ~8)
+BUILD_SECONDS = 100  # one build on 2 busy vCPUs (30-50 s idle: profiles/RESULTS.md, "First kernel build")
 MAX_ROWS = 64  # query rows per KV head the kernel takes (kMaxRows)
 # The head sizes the attention has code for (csrc/checks.h, kHeadDims), where they are whole float vectors of the
 # ISA: `head_dims`. Other sizes take another formulation (supports() is False for them).
@@ -133,6 +134,33 @@ def build_directory(
     return Path(root) / f"{name or _flags()[0]}-{tag}"
 
 
+TICK_SECONDS = 10.0  # how often a build (or a wait for another process's) says how long it has taken so far
+
+
+@contextlib.contextmanager
+def _ticking(what: str, every: float = TICK_SECONDS) -> Iterator[None]:
+    """Say on stderr how long `what` has taken so far, every `every` seconds while the body runs: one line
+    rewritten in place on a terminal, a line each time elsewhere (a log). A build of a few minutes never looks
+    like a hang."""
+    done, start = threading.Event(), time.monotonic()
+    tty = sys.stderr.isatty()
+
+    def tick() -> None:
+        while not done.wait(every):
+            text = f"static_decode: {what}: {time.monotonic() - start:.0f} s so far"
+            print(f"\r{text}" if tty else text, end="" if tty else "\n", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=tick, name="static-decode-build-ticker", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        if tty and time.monotonic() - start >= every:
+            print(file=sys.stderr, flush=True)  # end the rewritten line
+
+
 @contextlib.contextmanager
 def _build_lock(directory: Path) -> Iterator[None]:
     """Our own lock on the build directory: an flock, which the kernel releases when its holder dies (Ctrl-C, kill
@@ -141,7 +169,7 @@ def _build_lock(directory: Path) -> Iterator[None]:
     import fcntl  # POSIX: the kernels build on Linux (and macOS)
 
     wait = float(os.environ.get(WAIT_ENV, BUILD_WAIT))
-    with open(directory / "static_decode.flock", "a+") as handle:
+    with open(directory / "static_decode.flock", "a+") as handle, contextlib.ExitStack() as waiting:
         start, told = time.monotonic(), False
         while True:
             try:
@@ -151,11 +179,13 @@ def _build_lock(directory: Path) -> Iterator[None]:
                 if time.monotonic() - start > wait:
                     raise TimeoutError(f"another process has been building the CPU kernels in {directory} for over "
                                        f"{wait:.0f} s ({WAIT_ENV})") from None
-                if not told:
+                if not told:  # the first time: say so, then how long it has been
                     print(f"static_decode: waiting for another process building the CPU kernels in {directory}",
                           file=sys.stderr, flush=True)
+                    waiting.enter_context(_ticking("waiting for the other build"))
                     told = True
                 time.sleep(0.2)
+        waiting.close()
         try:
             yield
         finally:
@@ -181,8 +211,9 @@ def _build() -> None:
                   f"busy cores) into {directory}", file=sys.stderr, flush=True)
         stamp.unlink(missing_ok=True)  # rewritten once the load succeeds: a killed build leaves no stamp
         start = time.monotonic()
-        load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-             build_directory=str(directory), is_python_module=False, verbose=False)
+        with _ticking("building the CPU kernels") if fresh else contextlib.nullcontext():
+            load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                 build_directory=str(directory), is_python_module=False, verbose=False)
         stamp.write_text(signature.hexdigest())
         if fresh:
             print(f"static_decode: the CPU kernels are built ({time.monotonic() - start:.0f} s)", file=sys.stderr,

@@ -19,7 +19,8 @@ import torch
 from static_decode.core.attention import resolve_impl
 from static_decode.core.cache import StaticKVCache
 from static_decode.kernels import cpu_kernel
-from static_decode.model.llama import Block, Llama
+from static_decode.model.blocks import Block
+from static_decode.model.llama import Llama
 from static_decode.model.quant import QuantWeight, Scheme
 
 DTYPES = (torch.float32, torch.bfloat16)  # model dtypes the kernel takes (bfloat16 where AVX512-BF16 is)

@@ -15,7 +15,7 @@ float weight: more bytes than the float model. So on CUDA, with what torch ships
   j holds column j (low nibble) and column j + 32 (high nibble), so one reduction over the K / 2 bytes of a row
   sums both columns' products per byte: x[lo] * ((b & 15) - 8) * s + z) + x[hi] * ((b >> 4) - 8) * s' + z'). The
   unpacking, the dequantization and the sum are one expression of the byte: no [N, K] tensor exists in the
-  compiled step (tests/test_quant_cuda.py reads inductor's code for it).
+  compiled step (tests/model/test_quant_cuda.py reads inductor's code for it).
 * int4, "tinygemm": torch's `aten._weight_int4pack_mm` (the tinygemm kernel, CUDA, bfloat16) over operands
   prepared once beside the stored format (`tinygemm_operands`: the codes repacked by
   `aten._convert_weight_to_int4pack`, the pairs (s, z) as scales_and_zeros [K / group, N, 2]; the formats share

@@ -14,7 +14,7 @@
 //
 // Masking (rule 3): row m = g*T + t is slot t of its row; it sees keys 0..lens[b] - n_new[b] + t, a prefix, and none
 // when t >= n_new[b] (a padded slot returns exact zeros). Keys past the longest visible prefix are never read.
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include "attention_avx512.h"
 #include "checks.h"

@@ -15,7 +15,7 @@
 // (gemv_bf16_glu's). A bfloat16 model's layers come out as eager's, bit for bit in the tests (only the norm's sum
 // of squares runs in another order than torch's mean, which can move a value by its last bit); float32 ones differ
 // by the products' summation order (MKL's against ours), ~1e-7 relative.
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include "checks.h"
 #include "kernels.h"

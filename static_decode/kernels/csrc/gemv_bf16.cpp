@@ -6,7 +6,7 @@
 // multiply-and-row-sum form at 12-16, a plain sum at ~26 (profiles/RESULTS.md). Here AVX512-BF16's dot-product
 // instruction takes 32 weight x input products per step, float32 accumulation, no widening, and each thread works on
 // 8 rows at once with the next 8 rows prefetched: 25-27 GB/s on SmolLM2's shapes.
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include "checks.h"
 #include "kernels.h"

@@ -19,7 +19,7 @@
 // int4 layout (quant.py, pack_int4): row n is K / 2 bytes; columns come in chunks of 64, and byte j of chunk c holds
 // column 64c + j in its low nibble and 64c + 32 + j in its high nibble, so a chunk's 32 bytes widen to two runs of
 // 32 consecutive columns. Scales [N, K / group, 2]: (s, z) per group, in the model's dtype.
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include "checks.h"
 #include "kernels.h"

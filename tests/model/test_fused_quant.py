@@ -1,0 +1,149 @@
+"""Quantized weights in our CPU kernels: the one-row product (csrc/gemv_quant.cpp, `gemv_q`) against a float64
+product by the dequantized weight, and the fused decode layers over quantized projections (`decode_layers_q`)
+against the eager quantized layers.
+
+The eager layers' one-row products call the same `gemv_q`, so the fused layers differ from them only where the
+float layers do: the norm's sum of squares runs in another order, which can move a bfloat16 value by its last
+bit and the layers after it by a little more; float32 ones agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from static_decode.kernels import cpu_kernel
+from static_decode.model import quant
+from static_decode.model.fused_decode import FusedLayers, projection_formats, unsupported
+from static_decode.model.quant import QuantWeight, Scheme
+from tests.model.test_fused_decode import CFG, cache_pair, decode_layers, random_model
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernels did not build here")
+
+QCFG = dataclasses.replace(CFG, intermediate_size=384)  # every K a multiple of 64: int4 takes each projection
+SCHEMES = ["int8", "int4-g32", "int4-g64", "int4-g128"]
+
+
+def _dtypes() -> list[torch.dtype]:
+    return [torch.float32, torch.bfloat16] if cpu_kernel.bf16_dot() else [torch.float32]
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize(("N", "K"), [(80, 384), (13, 1536), (1, 128), (7, 128)])
+def test_gemv_q_matches_float64_by_the_dequantized_weight(scheme, dtype, N, K):
+    """Every format and group, row counts that leave a partial block of rows (8 for int8, 4 for int4), K with an
+    int8 tail past whole vectors."""
+    s = quant.parse(scheme)
+    if s.bits == 4 and quant.int4_refusal(K, s.group):
+        pytest.skip(f"{scheme} does not take K {K}")
+    torch.manual_seed(N * K)
+    qw = QuantWeight((torch.randn(N, K) * torch.linspace(0.1, 2, K)).to(dtype), s)
+    x = torch.randn(K).to(dtype)
+    w = qw.dequantize(torch.float64)  # [N, K]
+    want = w @ x.double()  # [N]
+    got = torch.ops.static_decode_cpu.gemv_q(x, qw.qweight, qw.scales, s.group)
+    assert got.shape == (N,) and got.dtype == dtype
+    # The error bound scales with sum |w| |x| (cancellation); bfloat16: the output's rounding, 2^-8 relative.
+    bound = (w.abs() @ x.double().abs()) * 1e-5 + (want.abs() * 2**-8 if dtype == torch.bfloat16 else 0)
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_gemv_q_int8_tail_and_float16_row():
+    """K not a multiple of the 16-wide vectors (masked loads); a float16 row in, float16 out."""
+    torch.manual_seed(3)
+    qw = QuantWeight(torch.randn(9, 100), Scheme(8))
+    x = torch.randn(100, dtype=torch.float16)
+    got = torch.ops.static_decode_cpu.gemv_q(x, qw.qweight, qw.scales, 0)
+    want = qw.dequantize() @ x.double()
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_dequant_q_is_the_float64_weight_rounded_once(scheme, dtype):
+    """The chunks' weight (csrc/gemv_quant.cpp's dequant_q): the exact dequantized weight rounded to `dtype`."""
+    s = quant.parse(scheme)
+    torch.manual_seed(4)
+    qw = QuantWeight(torch.randn(24, 384).to(dtype), s)
+    got = torch.ops.static_decode_cpu.dequant_q(qw.qweight, qw.scales, s.group, dtype)
+    assert got.dtype == dtype and torch.equal(got, qw.dequantize(torch.float64).to(dtype))
+
+
+def test_gemv_q_refuses_naming_the_value():
+    qw = QuantWeight(torch.randn(16, 128), Scheme(4, 32))
+    x = torch.randn(128)
+    op = torch.ops.static_decode_cpu.gemv_q
+    with pytest.raises(RuntimeError, match="group 16"):
+        op(x, qw.qweight, qw.scales, 16)
+    with pytest.raises(RuntimeError, match=r"int4 scales must be \[16, 2, 2\], got \[16, 4, 2\]"):
+        op(x, qw.qweight, qw.scales, 64)
+    with pytest.raises(RuntimeError, match="int8 codes must be int8"):
+        op(x, qw.qweight, qw.scales, 0)
+    with pytest.raises(RuntimeError, match=r"x \[127\] is not one row of the 128 values"):
+        op(x[:127], qw.qweight, qw.scales, 32)
+    with pytest.raises(RuntimeError, match="K a multiple of 64"):
+        op(torch.randn(96), qw.qweight[:, :48].contiguous(), qw.scales[:, :3].contiguous(), 32)
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize(("cached", "n_new", "read_len"), [(37, 1, 48), (600, 1, 1024), (37, 0, 48), (0, 1, 16)])
+def test_fused_quantized_layers_match_the_eager_ones(scheme, dtype, cached, n_new, read_len):
+    cfg = QCFG if scheme != "int4-g128" else dataclasses.replace(QCFG, hidden_size=256, num_heads=8, head_dim=32)
+    model = quant.quantize_model(random_model(dtype, cfg=cfg), scheme)
+    assert unsupported(model, model.new_cache(1, 64)) is None
+    ref_cache, cache = cache_pair(model, cached)
+    want = decode_layers(model, ref_cache, 17, n_new, read_len, fused=False)
+    got = decode_layers(model, cache, 17, n_new, read_len, fused=True)
+    assert want.abs().max() > 1.0  # the layers did move x
+    # bfloat16: a last-bit difference in a norm grows through the random layers: 3% of the largest value, and
+    # on average 1% of the mean magnitude; float32: the summation order of the norm only.
+    for a, b in ((got, want), (cache.k, ref_cache.k), (cache.v, ref_cache.v)):
+        if dtype == torch.bfloat16:
+            torch.testing.assert_close(a, b, rtol=0.03, atol=0.03 * b.abs().max().item())
+            assert (a.float() - b.float()).abs().mean() <= 0.01 * b.float().abs().mean()
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_quantized_layers_refuse_bad_calls_before_writing():
+    model = quant.quantize_model(random_model(torch.float32, cfg=QCFG), "int4-g32")
+    cache = model.new_cache(1, 64)
+    layers = FusedLayers(model, 0, len(model.layers))
+    assert layers.group == 32 and len(layers.scales) == 7 * QCFG.num_layers
+    k, v = cache.k.clone(), cache.v.clone()
+    x = torch.randn(1, 1, QCFG.hidden_size)
+    from static_decode.model import rope
+
+    cos, sin = rope.cos_sin(model.inv_freq, cache.lens[:, None], model.dtype)
+    n, lens_after = torch.tensor([1]), cache.lens + 1
+    args = (x, cos, sin, cache.k, cache.v, cache.lens, n, lens_after, 32)
+    op = torch.ops.static_decode_cpu.decode_layers_q
+    with pytest.raises(RuntimeError, match="20 scales for 3 layers"):
+        op(*args, layers.weights, layers.scales[:-1], 32, 1e-5)
+    with pytest.raises(RuntimeError, match=r"int4 scales must be \[192, 3, 2\], got \[192, 6, 2\]"):
+        op(*args, layers.weights, layers.scales, 64, 1e-5)
+    with pytest.raises(RuntimeError, match="int8 codes must be int8"):
+        op(*args, layers.weights, layers.scales, 0, 1e-5)
+    bad = list(layers.scales)
+    bad[3] = bad[3][:, :1].contiguous()  # layer 0's o_proj scales: one group of six
+    with pytest.raises(RuntimeError, match="layer 0 weight 4"):
+        op(*args, layers.weights, bad, 32, 1e-5)
+    floats = list(layers.weights)
+    floats[1] = torch.randn(192, 192)  # a float weight where layer 0's q codes belong
+    with pytest.raises(RuntimeError, match="layer 0 weight 1"):
+        op(*args, floats, layers.scales, 32, 1e-5)
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+
+
+def test_projections_in_several_formats_stay_off_the_kernel():
+    model = quant.quantize_model(random_model(torch.float32, cfg=QCFG), "int8")
+    other = random_model(torch.float32, cfg=QCFG)
+    model.layers[1].mlp.down_proj = quant.QuantLinear(other.layers[1].mlp.down_proj.weight, None, Scheme(4, 32))
+    assert projection_formats(model) == {Scheme(8), Scheme(4, 32)}
+    assert unsupported(model, model.new_cache(1, 64)) == (
+        "projections in several formats (int4-g32, int8): the kernel takes one")
