@@ -16,7 +16,7 @@ Built with torch.utils.cpp_extension (the compiler inductor already needs on the
 itself dispatches to here (`torch.backends.cpu.get_cpu_capability()`), once per machine, torch and Python version
 and source version, into a directory of its own under torch's extension cache ($TORCH_EXTENSIONS_DIR; see
 `build_directory`): environments with different torch or Python versions never rebuild each other's. The build says
-so on stderr while it runs (a few minutes: BUILD_SECONDS); later processes only load it. A build killed part-way
+so on stderr while it runs (30-100 s: BUILD_SECONDS); later processes only load it. A build killed part-way
 leaves nothing that blocks the next one: builds take a lock of our own (an flock, released when its process dies),
 and under it a lock file torch's builder left behind is stale and removed. Without a compiler, or with
 STATIC_DECODE_CPU_KERNEL=0, `available()` is False and attention and the projections take the formulations
@@ -125,7 +125,7 @@ def build_directory(
     """Where the kernels are built: one directory per extension name (the ISA), torch version, Python version and
     torch installation (its include paths are in the build's commands), under $TORCH_EXTENSIONS_DIR or torch's
     default cache. torch's own default is per Python version only, so environments with another torch, or the same
-    torch in another virtualenv, rebuilt over each other on every switch (~2-4 minutes each)."""
+    torch in another virtualenv, rebuilt over each other on every switch (a minute or more each)."""
     from torch.utils.cpp_extension import get_default_build_root  # imported here: it pulls in setuptools
 
     root = root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
@@ -140,7 +140,7 @@ TICK_SECONDS = 10.0  # how often a build (or a wait for another process's) says 
 @contextlib.contextmanager
 def _ticking(what: str, every: float = TICK_SECONDS) -> Iterator[None]:
     """Say on stderr how long `what` has taken so far, every `every` seconds while the body runs: one line
-    rewritten in place on a terminal, a line each time elsewhere (a log). A build of a few minutes never looks
+    rewritten in place on a terminal, a line each time elsewhere (a log). A build that takes a minute never looks
     like a hang."""
     done, start = threading.Event(), time.monotonic()
     tty = sys.stderr.isatty()
