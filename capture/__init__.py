@@ -2,15 +2,13 @@
 
 * `BucketLadder` (capture.buckets): which read lengths get a graph.
 * `CompileSettings`, `CaptureOptions` (capture.settings): torch.compile arguments per device; what to capture.
-* `StepRegistry` (capture.registry): compiles, warms up and runs steps (a graph per kind with a symbolic read
-  length, per (kind, bucket) with a static one).
+* `StepRegistry` (capture.registry): compiles, warms up and runs steps.
 * `CompileCache` (capture.compile_cache): a persistent compile cache directory (`CaptureOptions(compile_cache=)`).
 * `CompiledRunner` (capture.runner): the generator's steps compiled over one cache (the capture policy).
 * guards (capture.guards): `steady_state`, `fail_on_recompile`, `count_compiles`, `no_host_sync`, ...
 * `CaptureRecord`, `CaptureReport` (capture.report): per-pair records, table, JSON, baseline check.
 
-Names are imported on first use (PEP 562), so `import capture.settings` does not load torch._dynamo (the guards
-and the registry need it; a CLI's --help does not).
+Names are imported on first use (PEP 562), so `import capture.settings` does not load torch._dynamo.
 """
 
 from __future__ import annotations

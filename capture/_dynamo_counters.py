@@ -1,36 +1,10 @@
 """The one place static-decode touches private torch.compile internals.
 
-Dynamo and inductor count what they do in `torch._dynamo.utils.counters` (a dict of Counters) and a few
-module globals. None of it is public API, and names have moved between releases (the recompile limit was
-`cache_size_limit` up to torch 2.6 and is `recompile_limit` since 2.7, with the old name kept as an alias for
-a while). Everything that reads or sets those lives here, each read guarded so that a missing name degrades
-to "unknown" (None) instead of an AttributeError, for torch 2.5 up to 2.15. `capture.guards` is the public,
-documented face of this module.
-
-What is read:
-
-* graphs compiled: counters["stats"]["unique_graphs"] (one per FX graph dynamo hands to the backend);
-* graph breaks: counters["graph_break"] (reason -> count);
-* recompiles: convert_frame.FRAME_COMPILE_COUNTER (frame id -> compiles of that frame); every compile of a
-  frame after its first is a recompile (a guard failed: a new shape, a new Python int, ...);
-* cudagraph skips: counters["inductor"]["cudagraph_skips"] (reduce-overhead fell back to no CUDA graph).
-
-* inductor's on-disk caches: counters["inductor"]["fxgraph_cache_hit" / "_miss"] (FX graph cache: generated
-  code) and counters["aot_autograd"]["autograd_cache_hit" / "_miss"] (AOTAutograd cache: the whole compiled
-  graph), read by `cache_counts()`.
-
-What is set:
-
-* the recompile limits (`raise_recompile_limit`), static addresses and static shapes of tensors;
-* a symbolic read length: `dynamic_int(n)` wraps a Python int in torch's `DynamicInt` (torch 2.9+), which dynamo
-  traces as a symbol from the first compile while everything else stays as static as `dynamic=False` makes it;
-* where inductor keeps its on-disk caches: `inductor_cache_dir(dir)` points TORCHINDUCTOR_CACHE_DIR (and, on CUDA,
-  TRITON_CACHE_DIR) at a directory for the duration of a block, with inductor's in-memory code caches cleared on
-  the way in and out (what torch's own `temporary_cache_dir` does), so the kernels compiled inside land in that
-  directory rather than being found in memory from an earlier compile elsewhere.
-
-`torch._dynamo.reset()` clears the frame counters but not `counters`, so callers take differences of
-snapshots and clamp at zero.
+Reads dynamo's and inductor's counters (graphs, graph breaks, recompiles, cudagraph skips, compile-cache hits) and
+sets the recompile limits, static addresses, a symbolic read length (`dynamic_int`) and inductor's cache directory
+(`inductor_cache_dir`). None of it is public API and names move between releases, so every read is guarded: a
+missing name reads as "unknown" (None), never an AttributeError. `capture.guards` is the public face of this
+module. Which counters, and why callers take differences of snapshots: docs/internals.md#dynamo-counters.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """The read-length ladder: which read lengths get their own compiled graph.
 
-A step reads the cache up to a Python int `read_len` (rule 5), and torch.compile with `dynamic=False` bakes
-that int into the graph. One graph per distinct read length would be one graph per token, so the host rounds
-the length it needs (from its mirror of the lengths) up to the next rung of a short ladder, and each
-(step kind, rung) is one graph, captured once.
-
-The trade-off, which the defaults settle and the user can move:
-
-* more rungs -> less wasted read (bytes read past the live length) but more graphs: more capture time at
-  start-up (each graph is a full compile, tens of seconds for a large model) and, on CUDA, more graph-pool
-  memory;
-* fewer rungs -> faster start-up, more wasted read. The waste matters once the KV bytes read per token rival
-  the weight bytes: for Llama-3.1-8B in bf16 that is ~128 KiB of KV per cached token against ~16 GB of
-  weights, so at 32k live tokens the KV read is ~4 GB and reading up to 2x of it costs ~25%.
-
-`BucketLadder.geometric(max_len, align, growth)` builds rungs align, then each one `growth` times the last
-rounded up to a multiple of `align`, and always ends at `max_len` (the cache capacity, so every legal length
-has a rung). For any live length L >= 1 the chosen rung r satisfies
+The host rounds the read length it needs (rule 5) up to the next rung of a short ladder, so each (step kind, rung)
+is one graph instead of one per token. `BucketLadder.geometric(max_len, align, growth)` gives rungs align, then
+each `growth` times the last rounded up to `align`, ending at `max_len`; a live length L reads a rung r with
 
     L <= r < growth * L + align        (and r <= max_len)
 
-With the defaults (align 256, growth 1.5) a 128k cache has 16 rungs, 32k 12 and 4k 7; growth 2.0 gives 10, 8
-and 5 rungs and allows up to twice the live read (plus align). An explicit list of lengths is accepted too.
+More rungs read less past the live length but cost more graphs. The trade-off: docs/internals.md#buckets.
 """
 
 from __future__ import annotations

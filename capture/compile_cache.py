@@ -1,26 +1,9 @@
 """A persistent compile cache: a directory holding what a new process needs to skip compiling the steps.
 
-`CaptureOptions(compile_cache=DIR)` (and `capture-report --compile-cache DIR`): every compile of the steps runs
-with inductor's on-disk caches in DIR, in preference to whatever inductor cache the environment names
-(TORCHINDUCTOR_CACHE_DIR or the default /tmp/torchinductor_<user>). A new process with the same DIR then finds
-the AOTAutograd and FX graph cache entries and the compiled kernels there: dynamo still traces each step (it
-caches nothing across processes), but lowering and code generation, the C++ or Triton compiles, are skipped.
-
-What carries the compiled code, per device (chosen by measurement, profiles/RESULTS.md, "Symbolic read length"):
-
-* CPU: the directory itself. `torch.compiler.save_cache_artifacts()` / `load_cache_artifacts()` alone do not carry
-  the compiled C++ kernels there (measured on a small function: a fresh process that loaded the artifacts still
-  took 6.4 s against 7.6 s cold, while a new process reusing the same inductor cache directory took 1.7 s), so on
-  the CPU nothing else is written.
-* CUDA: the directory (inductor's caches, and Triton's in DIR/triton rather than TRITON_CACHE_DIR), and in
-  addition the portable cache artifacts of this process (`torch.compiler.save_cache_artifacts()`, which do carry
-  the Triton kernels) in DIR/artifacts.bin: saved after each warm-up and each lazy compile, loaded into DIR
-  before the first compile of a process. Not measured on a GPU yet.
-
-Layout: DIR/inductor (inductor's cache directory), DIR/triton (CUDA), DIR/artifacts.bin (CUDA). The directory is
-created on first use. The switch of inductor's cache directory is process-wide while a step compiles (an
-environment variable: see `capture._dynamo_counters.inductor_cache_dir`) and restored afterwards, so compiles
-outside the steps (your own torch.compile calls) keep using the environment's cache.
+`CaptureOptions(compile_cache=DIR)`: every compile of the steps runs with inductor's on-disk caches in DIR/inductor
+(and, on CUDA, Triton's in DIR/triton plus torch's portable cache artifacts in DIR/artifacts.bin), so a new process
+only re-traces. On the CPU the directory alone carries the compiled C++ kernels (the artifacts do not). The
+directory switch is process-wide only while a step compiles. Why per device: docs/internals.md#compile-cache.
 """
 
 from __future__ import annotations

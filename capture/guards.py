@@ -1,32 +1,13 @@
 """Compile-regression guards to put in your own tests: count, don't grep logs.
 
-A fixed-shape decode loop should, once warmed up, compile nothing, break no graph, skip no CUDA graph and
-never wait on the device from the host. Each of those is a counter or a mode you can assert on:
-
-    from capture.guards import steady_state, count_compiles, fail_on_recompile
-
     gen.generate(prompt, 8)                 # warm-up: compiles what it needs
     with steady_state():                    # no recompile, no new graph, no break, no skip, no host sync
         gen.generate(other_prompt, 64)
 
-    with count_compiles() as c:
-        registry.warm_up()
-    assert c.counts.graphs == kinds * buckets and c.counts.graph_breaks == 0
-
-* `CompileCounts` — a snapshot of (graphs, graph_breaks, recompiles, cudagraph_skips); subtract two.
-* `count_compiles()` — a context manager whose `.counts` is the difference since it was entered.
-* `fail_on_recompile()` — dynamo raises `RecompileError` at the call that would recompile (its message names
-  the guard that failed); at exit it also fails if a new graph was compiled at all (a code object compiled for
-  the first time is not a "recompile" to dynamo, but is still compile work in a loop that should have none).
-* `assert_no_graph_breaks()`, `assert_no_cudagraph_skips()` — fail at exit, listing the reasons.
-* `no_host_sync()` — on CUDA, `torch.cuda.set_sync_debug_mode("error")`: any synchronising CUDA call in the
-  block (a device-to-host copy from .item()/.tolist()/int(t), a stream sync) raises. On a CPU-only build, or
-  when CUDA is unavailable, it does nothing: there is no device to wait for.
-* `steady_state()` — all of the above at once.
-
-The numbers come from private torch counters, read in one module (`capture._dynamo_counters`) that degrades to
-"unknown" when a torch release renames them; a check whose counter is unknown is skipped, never passed falsely
-by comparing None.
+`count_compiles`, `fail_on_recompile`, `assert_no_graph_breaks`, `assert_no_cudagraph_skips`, `no_host_sync` (CUDA
+only) are the parts of `steady_state`. The counts come from private torch counters (capture._dynamo_counters); a
+check whose counter is unknown is skipped, never passed by comparing None. Usage: docs/compile.md, each guard:
+docs/internals.md#guards.
 """
 
 from __future__ import annotations

@@ -1,55 +1,11 @@
 """The compiled step registry: compiled steps by (step kind, read bucket), warmed up before they are needed.
 
-A step is `fn(*args, read_len)`: the `args` are fixed for the registry's life (model, cache, static buffers
-that the host fills before each call), `read_len` is a rung of the bucket ladder. Each kind is compiled once
-with `CompileSettings.compile` (fullgraph, dynamic=False). With a static read length every rung it is called with
-becomes its own graph; with a symbolic one (`settings.symbolic_read_len`, the CPU default) the registry passes the
-read length as a DynamicInt, so the first rung's compile is symbolic in it and serves every other rung: one graph
-per kind. Under mode="reduce-overhead" cudagraph trees record one CUDA graph per rung either way (from the rung's
-own graph, or from the shared symbolic one). Records stay per (kind, bucket): `graphs` is 1 where the pair
-compiled and 0 where it reused its kind's symbolic graph.
-
-What the registry takes care of:
-
-* static addresses: under CUDA graphs, every tensor a step mutates must have a static address, or
-  reduce-overhead skips the graph (a "cudagraph skip: mutated inputs"). Dynamo (torch 2.13, read in
-  torch/_dynamo/variables/builder.py) marks the parameters and buffers of an nn.Module static on its own, also
-  for a module passed as an argument (the cache), but not plain tensors such as a dataclass of step buffers;
-  so the registry calls `torch._dynamo.mark_static_address` on every tensor it is given (cache included, for
-  older torch). The GPU tests check `cudagraph_skips == 0`.
-* the recompile limit: kinds x buckets graphs must fit under dynamo's limit, also with a symbolic read length
-  (its expected graphs are 1-2 per kind, but a rung the symbolic graph does not cover, a specialised 1 say, then
-  costs a compile rather than a limit error mid-request; the tests pin the real count). Where torch.compile takes
-  a per-compile limit (2.13+) it is set on each compile; otherwise (torch 2.11 on the GPU machines) the
-  process-wide limits are raised to the graphs of every registry made so far plus RECOMPILE_HEADROOM (never
-  lowered), at construction and again before every compile (warm-up, a lazy first call), in case something
-  lowered them in between (a `torch._dynamo.config.patch` that ended, say);
-* warm-up: `warm_up()` runs every pair (three calls each under CUDA graphs: warm-up, record, replay),
-  inside the owner's `scratch` context that puts the state in a harmless configuration (no row appends
-  anything) and restores it afterwards, so the cache and the buffers are exactly as before; a rich progress
-  bar and the total capture time are reported; each pair runs inside an NVTX range "capture/<kind>/<bucket>";
-* outputs: steps should write results into static buffers (nothing to lose when a replay overwrites graph
-  outputs); any tensors a step does return are cloned under CUDA graphs before the next replay.
-* the compile cache (`compile_cache`, a `capture.compile_cache.CompileCache`): every pair's first calls run
-  with inductor's caches in its directory; on CUDA the cache artifacts are loaded at construction and saved
-  after each warm-up and each lazy compile.
-
-Lazy mode (`warm_up` not called, or called for some pairs only): a pair compiles at its first real call, and
-its record is made then.
-
-Formulations (CUDA): a kind whose compile fails while a key-splitting attention formulation is in use compiles
-again with the next one (flex, then split_key, then the one-call sdpa_folded; static_decode.core.attention), before
-any eager fallback: the step stays compiled. The registry owns that order: it calls the kind's step with a view of
-the model that resolves past what failed (`Llama.skipping`), so no other kind changes; `formulation_fallbacks`
-names what gave way per kind, and why.
-
-Fallback (`fallback=True`, the Generator's default for a tensor-parallel model): when compiling or capturing a
-kind fails (a collectives backend that a graph cannot hold, say), that kind runs its eager step from then on,
-and every record of it carries the reason (`CaptureRecord.fallback`, shown by capture-report and compared by
-its --check). Compile errors surface at the first call, before the step runs; a failure later in a CUDA-graph
-record happens inside warm-up's scratch state, so warm up (the default) when you rely on fallback. Every rank
-of a tensor-parallel group compiles the same graphs with the same settings, so ranks fall back alike and
-their collectives stay matched. Without fallback a failure raises, as a regression guard should.
+A step is `fn(*args, read_len)` with `args` fixed for the registry's life and `read_len` a rung of the ladder;
+each kind compiles once (fullgraph, dynamic=False): one graph per kind with a symbolic read length, one per rung
+with a static one. The registry marks every tensor it is given a static address (else CUDA graphs are skipped),
+keeps dynamo's recompile limit above its graphs, warms up on the owner's scratch state, falls back through the
+CUDA attention formulations before eager, and (with `fallback=True`) runs a kind that fails to compile eagerly,
+recording why. Design notes: docs/internals.md#registry.
 """
 
 from __future__ import annotations

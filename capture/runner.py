@@ -2,20 +2,9 @@
 
 The generator asks any runner two things (`static_decode.steps.functions.StepRunner`): the read length of a step (here
 rounded up to a rung of the bucket ladder) and the callable of a step kind at that length (here the
-registry's compiled step). What is decided here, not in the generator:
-
-* which kinds are unbucketed: `first` / `first_greedy` read no cache, so they get one graph each (read_len 0);
-* the static tensors: the cache's K/V and lengths and every step buffer, marked as static addresses so that
-  reduce-overhead records CUDA graphs instead of skipping them;
-* the scratch state of warm-up: every row `done`, `n_new` 0 (nothing is appended; padded K/V lands in the
-  cache's spare row), the output index reset before every call, and every buffer and the lengths restored
-  afterwards, so warm-up leaves no trace;
-* the compile settings: `CompileSettings.for_device` unless given, aware of a tensor-parallel model's
-  collectives backend; fallback to eager per kind by default only for a tensor-parallel model;
-* the compile cache: `CaptureOptions.compile_cache` as a `capture.compile_cache.CompileCache` on the cache's
-  device;
-* layer regions (`CompileSettings.layer_regions`, the CPU default): the blocks compile apart, once for every
-  kind (capture.regions), installed on the model around each compiled call.
+registry's compiled step). Decided here, not in the generator: the unbucketed kinds, the static tensors, warm-up's
+scratch state (restored afterwards), the compile settings and eager fallback, the compile cache and the layer
+regions: docs/internals.md#runner.
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
 """How a step is compiled: torch.compile arguments per device, chosen by measurement.
 
-* CUDA: mode="reduce-overhead" — inductor kernels replayed as one CUDA graph per (kind, bucket), so a decode
-  step costs one graph launch instead of hundreds of kernel launches.
-* CPU: there are no CUDA graphs (reduce-overhead on CPU tensors only adds a "cudagraph skip"), so the choice
-  is between inductor's Python wrapper and its C++ wrapper (`cpp_wrapper`), which drops the per-call Python
-  work of calling each generated kernel. The numbers behind the default are in profiles/compile_cpu.md.
-
-The read length (`symbolic_read_len`): a step reads the cache up to a Python int, always a rung of the bucket
-ladder. Static (False), each rung is its own inductor compile: kinds x buckets compiles, each specialised to its
-length. Symbolic (True), the read length is a symbol in the generated code (torch's DynamicInt, see
-`capture._dynamo_counters.dynamic_int`): one compile per kind covers every rung, and under reduce-overhead
-cudagraph trees still record one CUDA graph per rung from that code (a CUDA graph has fixed shapes).
-
-* CPU default: symbolic. Measured on the embedded model at max_len 2048 (profiles/RESULTS.md, "Symbolic read
-  length"): capture compiles 5 graphs instead of 17 (152 s instead of 631 s cold on the 2-vCPU machine), and a
-  token costs 1-5% more (20-45 us per step: inductor's C++-wrapper entry turns the symbolic int into a tensor at
-  every call; the generated code itself runs as fast). Set False for those few percent when compile time does not
-  matter.
-* CUDA default: symbolic as well. With a static read length the one H200 run (Llama-3.1-8B shape, torch 2.11)
-  took ~84 s a graph, so the 9 rungs of the CUDA ladder at 32k (capture.buckets) would cost ~13 minutes a kind;
-  symbolic, a kind compiles once and each rung only records its CUDA graph. Symbolic sizes change what inductor
-  generates for the Triton kernels (no size-specialised tiling, index arithmetic on a symbol): profiles/gpu_check
-  times decode both ways at 1k/8k/32k (`symbolic_read_len=False` for the static one) and recommends one.
-
-Always fullgraph=True (a graph break inside a step is a bug, not a fallback) and dynamic=False: nothing but the
-read length may become symbolic, not the batch, the chunk or a tensor of a regrown cache (torch's automatic
-dynamic shapes would otherwise turn whatever changed between two compiles symbolic, and the Python int read_len
-after its second value). On a torch without DynamicInt (< 2.9) a symbolic read length falls back to automatic
-dynamic shapes with every tensor the steps take marked static: the first rung compiles static, the second
-symbolic, so at most 2 compiles per kind.
+CUDA: mode="reduce-overhead", one CUDA graph per (kind, bucket). CPU: inductor's C++ wrapper (no CUDA graphs there;
+the wrapper drops the per-call Python work). Both default to a symbolic read length (`symbolic_read_len`): one
+compile per kind serves every rung. Always fullgraph=True (a graph break in a step is a bug) and dynamic=False, so
+nothing but the read length ever becomes symbolic. The measurements behind each default:
+docs/internals.md#settings.
 """
 
 from __future__ import annotations
