@@ -3,27 +3,12 @@ the bfloat16 one-row products (csrc/gemv_bf16.cpp, where the CPU has AVX512-BF16
 decode layer makes in place of several: `gemv_bf16_cat3` for q/k/v, `gemv_bf16_glu` for SwiGLU's gate/up/silu), and
 a batch-1 decode step's whole decoder layers in one call (csrc/decode_layers.cpp, static_decode.model.fused_decode).
 
-Why an attention kernel: a decode step has G * T query rows per KV head (3 for SmolLM2-135M). SDPA's CPU flash
-kernel runs each key block as two GEMMs that small, and inductor's reductions reread K per query row or sum V along
-a strided axis: every formulation read SmolLM2's cache at 10-13 GB/s against ~25 GB/s for a plain sum
-(profiles/RESULTS.md). The kernel loads each key row once for all the rows of its group, keeps a block's scores in
-L1 and splits the key axis across threads (flash-decoding). Why a GEMV: a batch-1 decode step reads every weight
-once, and torch's bfloat16 GEMV reads them at 10-19 GB/s here; AVX512-BF16's dot-product instruction with
-prefetched rows reads at 25-27, the memory's rate. Both are registered under `torch.ops.static_decode_cpu` with
-shape-only Meta kernels, so a compiled step calls them like aten ops, with no graph break.
-
-Built with torch.utils.cpp_extension (the compiler inductor already needs on the CPU) for the vector ISA torch
-itself dispatches to here (`torch.backends.cpu.get_cpu_capability()`), once per machine, torch and Python version
-and source version, into a directory of its own under torch's extension cache ($TORCH_EXTENSIONS_DIR; see
-`build_directory`): environments with different torch or Python versions never rebuild each other's. The build says
-so on stderr while it runs (30-100 s: BUILD_SECONDS); later processes only load it. A build killed part-way
-leaves nothing that blocks the next one: builds take a lock of our own (an flock, released when its process dies),
-and under it a lock file torch's builder left behind is stale and removed. Without a compiler, or with
-STATIC_DECODE_CPU_KERNEL=0, `available()` is False and attention and the projections take the formulations
-without them.
-
-The ops check every argument before they read or write anything (csrc/checks.h): a bad call from Python raises a
-RuntimeError naming the value, and the cache is left as it was.
+They exist because torch's formulations read the cache and the bf16 weights well below the memory's rate at decode
+shapes. Registered under `torch.ops.static_decode_cpu` with Meta kernels, so compiled steps call them without a
+graph break; every argument is checked before anything is read or written. Built once per machine, torch, Python
+and source version under $TORCH_EXTENSIONS_DIR, behind a lock of our own; without a compiler, or with
+STATIC_DECODE_CPU_KERNEL=0, `available()` is False and the PyTorch formulations stay. Why and how:
+docs/internals.md#cpu-kernel.
 """
 
 from __future__ import annotations

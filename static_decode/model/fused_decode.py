@@ -1,11 +1,8 @@
 """A batch-1 decode step's decoder layers as one call of our CPU kernel (csrc/decode_layers.cpp).
 
-Why: on the CPU a one-token step's products already read the weights at the memory's rate (cpu_kernel.gemv_bf16),
-and what is left is the cost around them: each layer's ~15 kernels are calls from the compiled step, ~55 us a layer
-of dispatch, allocation and glue on the 2-vCPU machine, ~1.7 ms of SmolLM2-135M's ~12.6 ms bfloat16 token
-(profiles/fixed_cost.py). `decode_layers` runs every layer of a span in one call: per layer five parallel loops
-(q/k/v, attention, o, gate/up, down) and serial passes over one row, the cache written in place at the row's
-length (rule 1), the attention the decode kernel's over the read bucket (rules 3 and 5).
+Why: the products already read the weights at the memory's rate; what is left is the dispatch and glue around each
+layer's ~15 kernels, which one call removes (docs/internals.md#fused-decode). The cache is written in place at the
+row's length and attention is the decode kernel's over the read bucket.
 
 Where: capture.regions calls it in place of a compiled layer region for steps of one row and one slot, where
 `unsupported` finds nothing against it; every other step (prefill chunks, batches, verify steps) and every other

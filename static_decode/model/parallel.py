@@ -1,33 +1,11 @@
 """Tensor parallelism (Megatron-style): which slice of each weight a rank holds, and the one collective.
 
-Layout over `world` ranks (rank r holds the r-th contiguous slice):
-
-* column-parallel (split by output features, dim 0 of the weight): q_proj, k_proj, v_proj, gate_proj, up_proj
-  and their biases, split with their rows (Qwen2's q/k/v biases, Llama's attention_bias / mlp_bias). Each rank
-  computes its own query/KV heads and its own slice of the MLP's inner width.
-* row-parallel (split by input features, dim 1): o_proj, down_proj. Each rank's product is a partial sum of the
-  full output; one all-reduce after attention and one after the MLP add them up.
-* replicated: the embedding, every RMSNorm, the LM head, and the biases of o_proj and down_proj (added once,
-  after the all-reduce, not once per rank). Qwen3's q_norm/k_norm weights ([head_dim], one weight shared by
-  every head) are replicated too: a rank normalises the heads it owns with the whole weight, so nothing per
-  head has to move. Replicating the LM head costs memory and bandwidth
-  (Llama-3-70B bf16: 2.1 GB per rank, vs 17.5 GB of sharded weights at 8 ranks) but every rank then holds the
-  full logits and samples the same token with the same counter-hash noise (static_decode.steps.sampling), so no
-  all-gather of logits and no broadcast of tokens is needed inside the step, and each rank feeds its next
-  token from its own device buffer. A vocab-split head (an all-gather of [B, V] logits, or a distributed
-  argmax) is the way to save that memory when it matters.
-
-Joined projections (static_decode.model.joining): a rank's `qkv_proj` weight is its q slice, then its k
-slice, then its v slice, stacked ([(Hq + 2 Hkv) / world * d, D]), and its `gate_up_proj` its gate slice then its up
-slice. That is not a contiguous slice of the whole model's joined matrix (which stacks all of q before any k), so
-a rank never slices a joined weight: it reads the checkpoint's parts by their own slices and joins them.
-
-KV heads are split so that each rank keeps whole GQA groups: rank r holds KV heads [r*Hkv/W, (r+1)*Hkv/W) and
-query heads [r*Hq/W, (r+1)*Hq/W), and query head h = kv*G + g sits on the rank of KV head h // G. Each rank's
-`StaticKVCache` holds only its KV heads, so cache memory per rank is total / world.
-
-The all-reduce is `torch.distributed._functional_collectives.all_reduce`: a functional op that torch.compile
-traces into the graph (an all_reduce + wait_tensor pair), so a compiled step keeps its collectives inside.
+Rank r of `world` holds the r-th contiguous slice: q/k/v and gate/up split by output features (whole GQA groups per
+rank, so each rank's cache holds only its KV heads), o and down by input features with one all-reduce after each,
+everything else replicated. The LM head is replicated on purpose: every rank then samples the same token with no
+collective inside the step. A rank reads the checkpoint's parts by their own slices and joins them (a joined weight
+is never sliced). The all-reduce is functional, so a compiled step keeps it in its graph. The layout in full:
+docs/internals.md#parallel.
 """
 
 from __future__ import annotations

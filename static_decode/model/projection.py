@@ -1,23 +1,11 @@
 """The projections of a step (q/k/v/o, gate/up/down, the head), with the one-token decode formulation chosen per
 device and dtype here, in one place.
 
-A batch-1 decode step multiplies one row by every weight matrix: a GEMV, bound by reading the weights. On the CPU
-in bfloat16 (and float16) the library GEMV (oneDNN through `F.linear`) reads them far below the memory bandwidth,
-while the same product written as an elementwise multiply and a row sum, which inductor compiles into one
-vectorised streaming reduction (each weight row read once, accumulated in float32), is 1.2-2x faster on every
-SmolLM2 shape (profiles/RESULTS.md, "Decode projections": 192x576 2.0x, 576x576 1.4x, 1536x576 1.4x, 576x1536
-1.3x, the 49152x576 head 1.2x, cold weights, 2 threads). In float32 MKL's GEMV is as fast as the reduction or
-faster (the head, the down projection), and on CUDA cuBLAS stays. So the reduction is used only where it measured
-faster: a compiled step (inductor fuses it; eager would materialise the whole product), on the CPU, in a 16-bit
-dtype, with one row. Prefill chunks and verify steps (several rows) keep the GEMM.
-
-Faster still for bfloat16 weights on a CPU with AVX512-BF16: our own kernel (static_decode.kernels.cpu_kernel.gemv_bf16:
-the dot-product instruction, 8 rows per step with the next 8 prefetched) reads SmolLM2's shapes at 25-27 GB/s, the
-memory's rate (a plain sum: ~26), against 12-16 for the streamed form and 10-19 for torch.mv; it takes precedence
-there, eager and compiled (profiles/RESULTS.md, "bf16 GEMV kernel"). `qkv` and `glu` take a layer's products that
-read the same row in one kernel call each (q/k/v; gate/up with the silu): each call of a decode step costs a
-dispatch and a fork/join of the threads, ~2 us here, and a SmolLM2 step made 211 of them (profiles/RESULTS.md,
-"Fewer calls per layer").
+A batch-1 decode step's products are GEMVs bound by reading the weights. One bf16 row on a CPU with AVX512-BF16
+takes our kernel (cpu_kernel.gemv_bf16; `qkv` and `glu` join a layer's products of one row into one call each);
+elsewhere a compiled one-row step in a 16-bit dtype on the CPU takes a multiply-and-row-sum that inductor streams;
+float32, CUDA and several rows keep `F.linear`. Each choice is where it measured faster:
+docs/internals.md#projection.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """Weight-only quantization of a model's projections: int8 per output channel and int4 in groups along K.
 
-Why: a batch-1 decode step reads every weight once per token: int8 halves a bfloat16 model's projection bytes, int4
-quarters them (plus scales). Activations, norms, the KV cache and the embedding (one row read per token) stay in
-the model's dtype; every projection and the LM head (a tied model's gets a quantized copy) are quantized.
-
-Formats (`Scheme`):
-
-* int8: symmetric, one scale per output channel: w ~ q * s, q in -128..127, s = max|w_row| / 127 rounded to the
-  model's dtype. Stored as int8 [N, K] and the scales [N].
-* int4: asymmetric, one scale and one offset per group of `group` (32, 64 or 128) consecutive inputs of a row:
-  w ~ (q - 8) * s + z, q in 0..15, z = lo + 8 * s, s = (hi - lo) / 15 over the group's range, both rounded to the
-  model's dtype (torch's tinygemm convention). The range is the one of a small search of shrunk ranges that
-  minimises the group's squared error (as llama.cpp's k-quants search their scales): outliers clipped where that
-  costs less than the coarser steps they force. Stored as two codes a byte (`pack_int4`: uint8 [N, K / 2], chunks
-  of 64 columns, the same on every device and CPU) and the pairs (s, z) [N, K / group, 2].
-
-The products: one row on the CPU through our kernel (csrc/gemv_quant.cpp, `torch.ops.static_decode_cpu.gemv_q`,
-the codes widened in registers), which the fused decode layers call too; eager and compiled steps call the same
-op, so compiled tokens are eager tokens. Several rows (prefill chunks) multiply by the weight dequantized once
-(`dequant_q`) through the float GEMM. Measured: profiles/RESULTS.md ("Quantized weights in our kernels"). On
-CUDA: static_decode.model.quant_cuda (one row as one fused reduction, or int4 through tinygemm: `use_int4_kernel`).
-
-`quantize_model(model, "int8" | "int4" | Scheme)` rewrites a loaded model in place
-(`static_decode.checkpoints.loading.load_model (quantize=...)` calls it after loading, so a tensor-parallel rank
-quantizes its own slices: its groups are whole groups of the checkpoint's rows); `QuantWeight.dequantize` gives the
-weight the products use, for references.
+A batch-1 decode step reads every weight once per token, so int8 halves a bfloat16 model's projection bytes and int4
+quarters them. Every projection and the LM head are quantized; activations, norms, the cache and the embedding stay
+in the model's dtype. int8: w ~ q * s per output channel; int4: w ~ (q - 8) * s + z per group along K (tinygemm's
+convention), two codes a byte. One row on the CPU goes through our kernel (`gemv_q`, eager and compiled alike),
+several rows through the weight dequantized once; CUDA through static_decode.model.quant_cuda.
+`quantize_model(model, "int8" | "int4" | Scheme)` rewrites a loaded model in place; `QuantWeight.dequantize` gives
+the weight the products use. Formats in full: docs/internals.md#quant.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """The quantized products on CUDA (static_decode.model.quant's formats), written for compiled decode steps.
 
-A batch-1 decode step multiplies one row by every weight, so its time is the weight bytes over the memory's rate;
-int8 reads half of bfloat16's bytes and int4 a quarter, but only if the product reads the codes as they are
-stored. Dequantizing to a float [N, K] weight first and calling the GEMM reads the codes, writes and rereads the
-float weight: more bytes than the float model. So on CUDA, with what torch ships:
-
-* int8, one row (`int8_matmul`): sum_k q[n, k] * x[k], then times s[n], written as an elementwise product and a
-  row sum. Inductor compiles that into one reduction kernel that reads each int8 row once and accumulates in
-  float32. gpt-fast writes the same product as `F.linear(x, q.to(x.dtype)) * s`; inductor turns that into a
-  reduction for one row only where it decomposes a one-row mm (with coordinate-descent tuning on CUDA, never on
-  the CPU), else it converts the whole weight into a buffer for cuBLAS. Several rows (prefill chunks, verify
-  steps) take that form: the GEMM, the conversion being a pass over the weight next to a chunk's compute.
-* int4, one row (`int4_row`), "reduce": the same kind of reduction over the packed bytes. A 64-column chunk's byte
-  j holds column j (low nibble) and column j + 32 (high nibble), so one reduction over the K / 2 bytes of a row
-  sums both columns' products per byte: x[lo] * ((b & 15) - 8) * s + z) + x[hi] * ((b >> 4) - 8) * s' + z'). The
-  unpacking, the dequantization and the sum are one expression of the byte: no [N, K] tensor exists in the
-  compiled step (tests/model/test_quant_cuda.py reads inductor's code for it).
-* int4, "tinygemm": torch's `aten._weight_int4pack_mm` (the tinygemm kernel, CUDA, bfloat16) over operands
-  prepared once beside the stored format (`tinygemm_operands`: the codes repacked by
-  `aten._convert_weight_to_int4pack`, the pairs (s, z) as scales_and_zeros [K / group, N, 2]; the formats share
-  tinygemm's convention w = (q - 8) * s + z). It serves up to TINYGEMM_ROWS rows (its M tile). On the CPU the same
-  operands go through torch's CPU counterparts (`_convert_weight_to_int4pack_for_cpu`, `_weight_int4pack_mm_for_cpu`),
-  which is how the tests and `profiles/gpu_check --dry-run` run this path.
-
-Which int4 product a CUDA model uses is a setting (`static_decode.model.quant.use_int4_kernel`); the default is
-DEFAULT_INT4_KERNEL. profiles/gpu_check times both on the Llama-3.1-8B shape (docs/gpu.md).
+Dequantizing to a float weight before the GEMM reads more bytes than the float model, so a one-row product must read
+the codes as stored: int8 (`int8_matmul`) and int4 "reduce" (`int4_row`) are elementwise products and a row sum that
+inductor compiles into one reduction over the stored bytes; int4 "tinygemm" is torch's `_weight_int4pack_mm` over
+operands prepared once. Several rows take the GEMM. `use_int4_kernel` picks the int4 product (DEFAULT_INT4_KERNEL).
+How each works: docs/internals.md#quant-cuda.
 
 Everything here takes plain tensors (static_decode.model.quant calls it with a QuantWeight's buffers), so it runs and is
 tested on CPU tensors too, eagerly and compiled.
