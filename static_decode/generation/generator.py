@@ -225,10 +225,12 @@ class Generator:
         return req
 
     def check_penalty(self, req: Request) -> None:
-        """A repetition penalty changes the target's distribution token by token, which a verify step's drafts
-        were not drawn from: refused with speculation."""
-        if req.repeat_penalty != 1.0 and self.speculate is not None:
-            raise ValueError(f"repeat_penalty={req.repeat_penalty} is not supported with speculative decoding")
+        """The repetition, presence and frequency penalties change the target's distribution token by token, which
+        a verify step's drafts were not drawn from, and the verify steps apply neither min_p nor the logit bias:
+        each is refused with speculation (naming the first one set)."""
+        on = req.samplers_on()
+        if on and self.speculate is not None:
+            raise ValueError(f"{on[0]} is not supported with speculative decoding")
 
     @property
     def draft_slots(self) -> int:
@@ -245,7 +247,8 @@ class Generator:
         """New token ids for a prompt (a list of ids) or for each prompt of a ragged batch (a list of lists).
 
         How tokens are picked: `sampling` (default greedy) with `options` over it, SamplingParams' fields by name
-        (`temperature`, `top_k`, `top_p`, `seed`, `stop_at_eos`, `repeat_penalty`); checked before anything runs.
+        (`temperature`, `top_k`, `top_p`, `seed`, `stop_at_eos`, `repeat_penalty`, `min_p`, `presence_penalty`,
+        `frequency_penalty`, `logit_bias`); checked before anything runs.
         """
         req = self._check(prompt, max_new_tokens, SamplingParams.of(sampling, **options))
         out: list[list[int]] = [[] for _ in req.rows]
@@ -308,6 +311,16 @@ class Generator:
         bufs.top_p.fill_(1.0 if req.top_p is None else req.top_p)
         bufs.seed.copy_(torch.tensor([sampling.row_seed(seed, b) for b in range(B)], dtype=torch.int64))
         bufs.repeat_penalty.fill_(req.repeat_penalty)
+        bufs.counts.zero_()  # presence / frequency count this request's own output (a conversation turn's too)
+        bufs.presence_penalty.fill_(req.presence_penalty)
+        bufs.frequency_penalty.fill_(req.frequency_penalty)
+        bufs.min_p.fill_(req.min_p)
+        M = bufs.bias_ids.shape[1]
+        bias_ids, bias_values = np.zeros((B, M), dtype=np.int64), np.zeros((B, M), dtype=np.float32)
+        bias_ids[:R, : len(req.logit_bias)] = [t for t, _ in req.logit_bias]  # every row of the request, alike
+        bias_values[:R, : len(req.logit_bias)] = [v for _, v in req.logit_bias]
+        bufs.bias_ids.copy_(torch.from_numpy(bias_ids))
+        bufs.bias_values.copy_(torch.from_numpy(bias_values))
         width = max(len(r) for r in req.rows)
         marks = np.full((B, width), bufs.seen.shape[1] - 1, dtype=np.int64)  # the trash column past the vocabulary
         for b, row in enumerate(req.rows):

@@ -95,7 +95,7 @@ class PrefixCache:
             prompt[reuse.cached :], max_new_tokens, params, vocab_size=gen.model.config.vocab_size,
             max_len=gen.max_len - reuse.cached, max_batch=1, draft_slots=gen.draft_slots,
         )
-        gen.check_penalty(req)  # the generator's own refusal (a penalty with speculation), made here
+        gen.check_penalty(req)  # the generator's own refusal (penalties, min_p, logit_bias with speculation), here
         every = gen.read_every if read_every is None else check_int("read_every", read_every, minimum=1)
         return reuse, self._run(req, every, prompt, reuse)
 

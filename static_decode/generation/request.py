@@ -4,16 +4,22 @@ generator exactly as it was)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
 import numpy as np
 
 from static_decode.base.checks import check_int, is_number
+from static_decode.steps.functions import LOGIT_BIAS_SLOTS
 
 # The sampling buffer holds float32: a smaller positive temperature would round to 0 there and silently run greedy.
 TINIEST_TEMPERATURE = float(np.finfo(np.float32).tiny)
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI's API bounds them
+BIAS_RANGE = (-100.0, 100.0)  # a logit_bias value, as OpenAI's API bounds it
+
+LogitBias = tuple[tuple[int, float], ...]  # (token id, bias) pairs, ids ascending and distinct
 
 
 class SamplingOptions(TypedDict, total=False):
@@ -25,6 +31,10 @@ class SamplingOptions(TypedDict, total=False):
     seed: int | None
     stop_at_eos: bool
     repeat_penalty: float | None
+    min_p: float | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] | None
 
 
 @dataclass(frozen=True)
@@ -34,7 +44,17 @@ class SamplingParams:
     temperature 0 is greedy; otherwise the draw is on the device (top_k / top_p optional, in transformers' order),
     reproducible when `seed` is given. A row stops after it emits an EOS id (included) when stop_at_eos.
     repeat_penalty (> 0; None or 1 = off) penalises every token the row has fed or emitted
-    (static_decode.steps.sampling.penalize). top_k past the vocabulary keeps every token."""
+    (static_decode.steps.sampling.penalize). top_k past the vocabulary keeps every token.
+
+    min_p (in [0, 1]; None or 0 = off) keeps the tokens whose probability after temperature is at least min_p times
+    the top token's, before top_k and top_p (vLLM's order). presence_penalty and frequency_penalty (in [-2, 2] as
+    OpenAI's API; None or 0 = off) subtract presence * (count > 0) + frequency * count from the logit of each token
+    the row has emitted in this request, count times (OpenAI's definition over the sampled tokens, as vLLM counts
+    output tokens only: the prompt is not counted). logit_bias: up to LOGIT_BIAS_SLOTS (64) token id -> bias
+    entries (a mapping or (id, bias) pairs; ids distinct ints >= 0, checked against the vocabulary by the request;
+    biases in [-100, 100]) added to the logits before everything else, greedy rows included (OpenAI's: -100 all
+    but bans a token); kept as (id, bias) pairs in id order. The bias, then repeat_penalty, then the presence and
+    frequency penalties apply to greedy and sampled rows alike (vLLM's and llama.cpp's order)."""
 
     temperature: float = 0.0
     top_k: int | None = None
@@ -42,6 +62,10 @@ class SamplingParams:
     seed: int | None = None
     stop_at_eos: bool = True
     repeat_penalty: float | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: Mapping[int, float] | LogitBias | None = None  # kept as LogitBias
 
     def __post_init__(self) -> None:
         t, top_k, top_p, seed, penalty = self.temperature, self.top_k, self.top_p, self.seed, self.repeat_penalty
@@ -56,10 +80,22 @@ class SamplingParams:
             seed = check_int("seed", seed, minimum=0)
         if penalty is not None and (not is_number(penalty) or not 0 < penalty < 1e30):
             raise ValueError(f"repeat_penalty must be a finite number > 0 (1 = off), got {penalty!r}")
+        min_p = self.min_p
+        if min_p is not None and (not is_number(min_p) or not 0 <= min_p <= 1):
+            raise ValueError(f"min_p must be a number in [0, 1] (0 = off), got {min_p!r}")
+        counted = {}
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            lo, hi = PENALTY_RANGE
+            if v is not None and (not is_number(v) or not lo <= v <= hi):
+                raise ValueError(f"{name} must be a number in [{lo:g}, {hi:g}] (0 = off), got {v!r}")
+            counted[name] = None if v is None else float(v)
         for name, value in (("temperature", float(t)), ("top_k", top_k), ("seed", seed),
                             ("top_p", None if top_p is None else float(top_p)),
                             ("repeat_penalty", None if penalty is None else float(penalty)),
-                            ("stop_at_eos", bool(self.stop_at_eos))):
+                            ("stop_at_eos", bool(self.stop_at_eos)),
+                            ("min_p", None if min_p is None else float(min_p)), *counted.items(),
+                            ("logit_bias", None if self.logit_bias is None else _logit_bias(self.logit_bias))):
             object.__setattr__(self, name, value)
 
     @classmethod
@@ -77,6 +113,33 @@ class SamplingParams:
         return dataclasses.replace(sampling or cls(), **options)
 
 
+def _logit_bias(value: object) -> LogitBias:
+    """A logit_bias mapping or sequence of (id, bias) pairs as checked pairs in id order; raises naming the bad
+    entry."""
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, Iterable) and not isinstance(value, str | bytes):
+        pairs = list(value)
+    else:
+        raise TypeError(f"logit_bias must be a mapping of token id -> bias (or (id, bias) pairs), got "
+                        f"{type(value).__name__}: {value!r}")
+    if len(pairs) > LOGIT_BIAS_SLOTS:
+        raise ValueError(f"logit_bias has {len(pairs)} entries; at most {LOGIT_BIAS_SLOTS} are kept per request")
+    out: dict[int, float] = {}
+    lo, hi = BIAS_RANGE
+    for pair in pairs:
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise TypeError(f"logit_bias entries must be (token id, bias) pairs, got {pair!r}")
+        tid, b = pair
+        tid = check_int("a logit_bias token id", tid, minimum=0)
+        if not is_number(b) or not math.isfinite(b) or not lo <= b <= hi:
+            raise ValueError(f"logit_bias[{tid}] must be a number in [{lo:g}, {hi:g}], got {b!r}")
+        if tid in out:
+            raise ValueError(f"logit_bias gives token id {tid} twice")
+        out[tid] = float(b)
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class Request:
     """A checked request: the prompt rows and how to pick tokens."""
@@ -90,10 +153,22 @@ class Request:
     seed: int | None
     stop_at_eos: bool
     repeat_penalty: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    presence_penalty: float = 0.0  # 0 = off
+    frequency_penalty: float = 0.0  # 0 = off
+    logit_bias: LogitBias = ()  # (token id, bias) pairs, ids in the vocabulary
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def samplers_on(self) -> list[str]:
+        """The samplers this request sets to something other than off, as `name=value` (e.g. for a refusal)."""
+        on = [(name, v) for name, v, off in (
+            ("repeat_penalty", self.repeat_penalty, 1.0), ("min_p", self.min_p, 0.0),
+            ("presence_penalty", self.presence_penalty, 0.0), ("frequency_penalty", self.frequency_penalty, 0.0),
+            ("logit_bias", dict(self.logit_bias), {})) if v != off]
+        return [f"{name}={v}" for name, v in on]
 
     @property
     def prompt_tokens(self) -> int:
@@ -140,8 +215,13 @@ def check_request(
     if max_batch is not None and len(rows) > max_batch:
         raise ValueError(f"the request has {len(rows)} rows, this generator was built for batch={max_batch}")
     p = SamplingParams.of(sampling, **options)
+    for tid, _ in p.logit_bias or ():
+        if tid >= vocab_size:
+            raise ValueError(f"logit_bias names token id {tid}; token ids must be in 0..{vocab_size - 1}")
     return Request(
         rows=[[int(t) for t in r] for r in rows], single=single, max_new_tokens=max_new,
         temperature=p.temperature, top_k=None if p.top_k is None else min(p.top_k, vocab_size), top_p=p.top_p,
         seed=p.seed, stop_at_eos=p.stop_at_eos, repeat_penalty=1.0 if p.repeat_penalty is None else p.repeat_penalty,
+        min_p=p.min_p or 0.0, presence_penalty=p.presence_penalty or 0.0, frequency_penalty=p.frequency_penalty or 0.0,
+        logit_bias=p.logit_bias or (),
     )

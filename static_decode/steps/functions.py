@@ -15,8 +15,12 @@ may emit several tokens per row (a speculative verify step) or none (a row that 
 drift apart. A row that emitted an EOS id, or its `limit` of tokens, is `done`: later steps feed it nothing
 (n_new = 0, so its cache row and length stay put) and write only to the trash column past the output.
 
-Every token a row has fed or emitted is marked in `seen` (the prompt by the host, the output by `emit`), and the
-token-choosing steps penalise those logits by the row's `repeat_penalty` first (sampling.penalize; 1 = off).
+Every token a row has fed or emitted is marked in `seen` (the prompt by the host, the output by `emit`), and
+every token it emitted is counted in `counts` (by `emit`; the host zeroes it per request). The token-choosing
+steps adjust the logits before choosing, greedy or sampled (sampling's order): the row's logit bias entries
+added, the repetition penalty on the seen tokens (1 = off), the presence and frequency penalties on the counted
+ones (0 = off); a sampled row then filters by min_p (0 = off), top_k and top_p. Every value lives in a buffer,
+so one graph per kind serves every request's values (an off sampler costs a few elementwise ops on [B, V]).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from static_decode.model.llama import Llama
 from static_decode.steps import sampling
 
 PAD = -1  # out[b, i] past row b's last token (the host fills `out` with it per request); never a token id
+LOGIT_BIAS_SLOTS = 64  # (token id, bias) entries per row (`bias_ids`, `bias_values`): a request's logit_bias at most
 
 
 @dataclass
@@ -44,8 +49,9 @@ class StepBuffers:
     N the output capacity (max_len), D the model width, E the number of EOS ids (at least 1; -1 entries match
     nothing), K the draft tokens of a speculative verify step (0 without speculation), Q the vocabulary of a draft
     model's probabilities (0 unless a draft model samples), V the vocabulary of `seen` (0: no repetition penalty,
-    for callers that allocate steps without a model). `out` and `hist` have one column more than they can
-    fill: masked writes of a fixed-shape step land there (column N), and the host never reads it.
+    for callers that allocate steps without a model; it spans `counts` too), M = LOGIT_BIAS_SLOTS. `out`, `hist`,
+    `seen` and `counts` have one column more than they can fill: masked writes of a fixed-shape step land there
+    (the last column), and nothing reads it.
     """
 
     chunk: torch.Tensor  # [B, C] int64 prompt chunk, padded with id 0 past n_new
@@ -69,6 +75,12 @@ class StepBuffers:
     eos: torch.Tensor  # [E] int64 EOS ids, -1 = unused entry
     seen: torch.Tensor  # [B, V + 1] bool tokens fed or emitted so far (column V: trash; V = 0: no penalty kept)
     repeat_penalty: torch.Tensor  # [B] float32 the repetition penalty, 1 = off
+    counts: torch.Tensor  # [B, V + 1] int32 times each token was emitted in this request (column V: trash)
+    presence_penalty: torch.Tensor  # [B] float32 subtracted from the logit of every emitted token, 0 = off
+    frequency_penalty: torch.Tensor  # [B] float32 subtracted once per emission of a token, 0 = off
+    min_p: torch.Tensor  # [B] float32 keep tokens with probability >= min_p x the top one's, 0 = off
+    bias_ids: torch.Tensor  # [B, M] int64 token ids of the logit bias entries (unused: id 0 ...)
+    bias_values: torch.Tensor  # [B, M] float32 ... with bias 0, which adds nothing)
 
     @classmethod
     def allocate(
@@ -135,6 +147,12 @@ def buffer_layout(
         "eos": ((max(eos_slots, 1),), i64, -1),  # at least one entry, so the EOS test has a shape
         "seen": ((batch, vocab + 1), b, 0),  # column vocab: trash
         "repeat_penalty": ((batch,), f32, 1),
+        "counts": ((batch, vocab + 1), torch.int32, 0),  # column vocab: trash
+        "presence_penalty": ((batch,), f32, 0),
+        "frequency_penalty": ((batch,), f32, 0),
+        "min_p": ((batch,), f32, 0),
+        "bias_ids": ((batch, LOGIT_BIAS_SLOTS), i64, 0),
+        "bias_values": ((batch, LOGIT_BIAS_SLOTS), f32, 0),
     }
 
 
@@ -191,6 +209,8 @@ def emit(bufs: StepBuffers, tokens: torch.Tensor, count: torch.Tensor) -> None:
     if V > 0:
         marked = torch.ones((), dtype=torch.bool, device=tokens.device)
         bufs.seen.index_put_((rows, torch.where(keep, tokens, V)), marked)
+        one = torch.ones((), dtype=bufs.counts.dtype, device=tokens.device)
+        bufs.counts.index_put_((rows, torch.where(keep, tokens, V)), one.expand(B, T), accumulate=True)
     ended = (is_eos & (t[None, :] < n[:, None])).any(dim=-1) | (bufs.step >= bufs.limit)  # [B]
     bufs.done.copy_(bufs.done | ended)
     count.copy_(n)
@@ -202,16 +222,20 @@ def _emit(bufs: StepBuffers, token: torch.Tensor) -> None:
 
 
 def _penalized(logits: torch.Tensor, bufs: StepBuffers) -> torch.Tensor:
-    """logits [B, V] with the repetition penalty applied to each row's seen tokens (unchanged without `seen`)."""
+    """logits [B, V] (float32 out) with each row's logit bias added, then the repetition penalty applied to its
+    seen tokens and the presence / frequency penalties to its emitted ones (those two without `seen`/`counts`,
+    V = 0)."""
+    logits = sampling.bias(logits, bufs.bias_ids, bufs.bias_values)  # [B, V]
     if bufs.seen.shape[1] - 1 != logits.shape[-1]:
         return logits
-    return sampling.penalize(logits, bufs.seen[:, :-1], bufs.repeat_penalty)
+    logits = sampling.penalize(logits, bufs.seen[:, :-1], bufs.repeat_penalty)  # [B, V]
+    return sampling.penalize_counts(logits, bufs.counts[:, :-1], bufs.presence_penalty, bufs.frequency_penalty)
 
 
 def _choose(logits: torch.Tensor, bufs: StepBuffers) -> torch.Tensor:
     """[B] tokens sampled from logits [B, V] (penalised); row b's draw is keyed by (seed[b], step[b])."""
     logits = _penalized(logits, bufs)
-    return sampling.sample(logits, bufs.temperature, bufs.top_k, bufs.top_p, bufs.seed, bufs.step)
+    return sampling.sample(logits, bufs.temperature, bufs.top_k, bufs.top_p, bufs.seed, bufs.step, bufs.min_p)
 
 
 def sample_first(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:

@@ -9,14 +9,23 @@ value stays below 2**48), so:
 * the draw depends only on (seed, step, token id): the same eager or compiled, whatever the batch or chunking;
 * a fixed seed reproduces the tokens exactly.
 
-Per row: temperature [B] (0 = greedy argmax), top_k [B] (<= 0 = off), top_p [B] (>= 1 = off), applied in
-transformers' order: temperature, then top-k, then top-p on the remaining probabilities. With temperature 0,
-top-k and top-p are ignored (as transformers' do_sample=False ignores them).
+Per row: temperature [B] (0 = greedy argmax), min_p [B] (0 = off), top_k [B] (<= 0 = off), top_p [B] (>= 1 =
+off), applied in vLLM's documented order: temperature, then min-p (keep the tokens whose probability is at least
+min_p times the top token's), then top-k, then top-p on the remaining probabilities. Min-p and top-k commute (the
+top token is always kept and renormalising keeps every ratio to it), so this is transformers' order for
+temperature / top-k / top-p; with both min-p and top-p set, top-p's mass is over the tokens min-p kept (vLLM),
+where transformers and llama.cpp's chain run min-p after top-p. With temperature 0, min-p, top-k and top-p are
+ignored (as transformers' do_sample=False ignores them).
 
-The repetition penalty (`penalize`, CTRL's and llama.cpp's definition) comes before all of them: the logit of a
-token already seen is divided by the penalty when positive and multiplied by it when negative, so a penalty
-above 1 makes every seen token less likely, whatever its sign. Which tokens were seen is a device mask [B, V]
-the steps keep up to date, so applying it reads nothing back.
+Before all of them, on the logits, in vLLM's and llama.cpp's order (both greedy and sampled rows):
+1. the logit bias (`bias`, OpenAI's `logit_bias`): a few (token id, bias) entries per row added to the logits;
+2. the repetition penalty (`penalize`, CTRL's and llama.cpp's definition): the logit of a token already seen is
+   divided by the penalty when positive and multiplied by it when negative, so a penalty above 1 makes every seen
+   token less likely, whatever its sign;
+3. the presence and frequency penalties (`penalize_counts`, OpenAI's definition): logit[t] -= presence *
+   (count[t] > 0) + frequency * count[t].
+Which tokens were seen and how often each was emitted are device tensors [B, V] the steps keep up to date, so
+applying them reads nothing back.
 """
 
 from __future__ import annotations
@@ -82,17 +91,37 @@ def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) ->
     return torch.where(seen, hit, logits)
 
 
+def bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] plus values[b, j] at token ids[b, j] (ids, values [B, M]; an unused entry is id 0 with value
+    0, which adds nothing). Float32 out (the input's values exactly where no entry adds anything)."""
+    return logits.to(torch.float32).scatter_add(1, ids, values)  # [B, V]
+
+
+def penalize_counts(
+    logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor
+) -> torch.Tensor:
+    """logits [B, V] less presence[b] * (counts[b, t] > 0) + frequency[b] * counts[b, t] (OpenAI's presence and
+    frequency penalties; counts [B, V] of row b's emitted tokens, presence / frequency [B] float32, 0 = off).
+    Float32 out (the input's values exactly where both are 0)."""
+    c = counts.to(torch.float32)  # [B, V]
+    return logits.to(torch.float32) - presence[:, None] * (c > 0) - frequency[:, None] * c  # [B, V]
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """[B] argmax token ids (the first on ties, as torch.argmax and transformers' greedy search)."""
     return logits.argmax(dim=-1)
 
 
 def _kept_sorted(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The filter both `sample` and `probabilities` apply, in transformers' order: the scaled logits sorted
-    descending with the tokens past top-k and past top-p at -inf [B, V], the sort order [B, V], and which rows
-    sample (temperature > 0) [B]."""
+    """The filter both `sample` and `probabilities` apply, in the module's order (temperature, min-p, top-k,
+    top-p): the scaled logits sorted descending with the tokens below min-p, past top-k and past top-p at -inf
+    [B, V], the sort order [B, V], and which rows sample (temperature > 0) [B]. min_p None: off."""
     V = logits.shape[-1]
     logits = logits.to(torch.float32)
     hot = temperature > 0  # [B]
@@ -101,6 +130,10 @@ def _kept_sorted(
     top = logits.amax(dim=-1, keepdim=True)  # [B, 1]
     scaled = (logits - top) / torch.where(hot, temperature, 1.0)[:, None]  # [B, V], <= 0
     ordered, order = scaled.sort(dim=-1, descending=True)  # [B, V] each; sorted once per step
+    if min_p is not None:
+        # vLLM's min-p: probability below min_p times the top token's (the first, sorted) after temperature.
+        full = ordered.softmax(dim=-1)  # [B, V]
+        ordered = ordered.masked_fill(full < min_p[:, None] * full[:, :1], -torch.inf)  # the top one always stays
     rank = torch.arange(V, device=logits.device)  # [V]
     cut_k = (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])  # [B, V] past the k best
     ordered = ordered.masked_fill(cut_k, -torch.inf)
@@ -119,12 +152,14 @@ def sample(
     top_p: torch.Tensor,
     seed: torch.Tensor,
     step: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[B] token ids from logits [B, V]; per-row temperature/top_k/top_p/seed [B]; step [] or [B] int64 (device).
+    """[B] token ids from logits [B, V]; per-row temperature/top_k/top_p/seed [B]; step [] or [B] int64 (device);
+    min_p [B] float32 (0 = off; None: no min-p filter at all).
 
     Fixed shapes, no host reads. Rows with temperature 0 take the argmax.
     """
-    ordered, order, hot = _kept_sorted(logits, temperature, top_k, top_p)  # [B, V], [B, V], [B]
+    ordered, order, hot = _kept_sorted(logits, temperature, top_k, top_p, min_p)  # [B, V], [B, V], [B]
     noise = uniform(seed, step, logits.shape[-1]).gather(1, order)  # [B, V] the draw of each sorted token's id
     score = ordered - torch.log(-torch.log(noise))  # logits/T - log E, E = -log U ~ Exp(1)
     picked = order.gather(1, score.argmax(dim=-1, keepdim=True)).squeeze(1)  # [B]
@@ -132,13 +167,17 @@ def sample(
 
 
 def probabilities(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[B, V] float32: the distribution `sample` draws from (temperature, then top-k, then top-p, renormalised),
-    in vocabulary order. Rows with temperature 0 get the one-hot of their argmax (what `sample` returns there).
-    Speculative sampling needs the distribution itself, not a draw: it accepts a draft token with probability
-    p(token) / q(token) and otherwise draws from the residual max(0, p - q)."""
-    ordered, order, hot = _kept_sorted(logits, temperature, top_k, top_p)  # [B, V], [B, V], [B]
+    """[B, V] float32: the distribution `sample` draws from (temperature, then min-p, top-k and top-p,
+    renormalised), in vocabulary order. Rows with temperature 0 get the one-hot of their argmax (what `sample`
+    returns there). Speculative sampling needs the distribution itself, not a draw: it accepts a draft token with
+    probability p(token) / q(token) and otherwise draws from the residual max(0, p - q)."""
+    ordered, order, hot = _kept_sorted(logits, temperature, top_k, top_p, min_p)  # [B, V], [B, V], [B]
     kept = torch.empty_like(ordered).scatter_(1, order, ordered.softmax(dim=-1))  # [B, V] back in id order
     onehot = F.one_hot(greedy(logits), logits.shape[-1]).to(torch.float32)  # [B, V]
     return torch.where(hot[:, None], kept, onehot)
