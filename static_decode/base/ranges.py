@@ -7,19 +7,9 @@
     @ranges.range(ranges.SAMPLE)
     def sample(logits): ...
 
-The range names are the contract with docs/gpu.md (nsys --capture-range=nvtx, ncu --nvtx-include): use
-the constants and helpers below rather than spelling names inline. All ranges live in the NVTX domain
-`static-decode`, so an Nsight filter names them as `static-decode@decode/step` (ncu) or the domain in nsys.
-
-Where to put them: host side only, around a whole step launch, a sampling call, a bucket's capture, a bench
-phase. Never inside code that torch.compile traces (the model step, attention): the nvtx calls are opaque
-Python/C calls that dynamo cannot put in a graph, so each one would be a graph break, and a CUDA graph replay
-would not re-emit them anyway. Annotate the call site of the compiled step instead.
-
-Cost: with no profiler attached (nvtx hands out a dummy domain) or without the package, `range` returns one
-shared no-op object, so an annotated call costs what a bare `with` of an empty context manager costs; under a
-profiler it is a push/pop in the live domain. profiles/nvtx_cost.py measures both against a bare no-op and
-profiles/RESULTS.md records the numbers. Ranges are cached by (name, color): use a bounded set of names.
+The range names, in the NVTX domain `static-decode`, are the contract with docs/gpu.md: use the constants below.
+Host side only: never inside code torch.compile traces (each call would be a graph break). Without a profiler or
+the package a range is one shared no-op. Where and what it costs: docs/internals.md#ranges.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Transparent huge pages for a CPU model's weights: `to_huge_pages(model)`.
 
-Why: a CPU decode step streams every weight once per token. With 4 KB pages each row stream crosses a page every
-4 KB: the hardware prefetchers stop at page boundaries and the TLB misses (a core's second-level TLB covers a few
-MB of 4 KB pages, a fraction of any model's weights). In 2 MB pages the same stream crosses a boundary 512 times
-less often. Measured on a Zen 4 core with SmolLM2 (profiles/RESULTS.md, "Weights on huge pages").
-
-`to_huge_pages` moves the model's CPU parameters and buffers into one anonymous mapping advised MADV_HUGEPAGE
-(Linux with transparent huge pages in mode "always" or "madvise"), each tensor copied into its slot and swapped in
-place (`tensor.data = slot`): the modules, tied weights and any other holder of the same tensor objects follow.
-The mapping is advised before anything touches it, so the kernel backs it with huge pages as the copies fault it
-in. Resident memory does not double: each old tensor is freed as its copy lands. Elsewhere (another OS, THP off,
-tensors under 2 MB in all) it does nothing and returns 0.
+Why: a decode step streams every weight once per token, and on 4 KB pages the prefetchers stop at every page and
+the TLB misses. `to_huge_pages` moves the model's CPU parameters and buffers into one mapping advised MADV_HUGEPAGE
+before anything touches it, each tensor swapped in place (tied weights stay tied, memory does not double).
+Elsewhere (another OS, THP off, under 2 MB in all) it does nothing and returns 0. Details:
+docs/internals.md#hugepages.
 """
 
 from __future__ import annotations

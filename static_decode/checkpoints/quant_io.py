@@ -1,33 +1,10 @@
 """Quantized checkpoints: a model quantized once (static_decode.model.quant), saved, and loaded back without quantizing.
 
-Why: quantizing at load reads the float weights and, for int4, runs a range search over every group (seconds for
-SmolLM2-135M); a saved quantized checkpoint loads in the time its bytes take to read, and those bytes are a
-quarter (int4) to a half (int8) of a bfloat16 checkpoint's.
-
-The directory `save_quantized` writes:
-
-* `quantized.safetensors`: the tensors under the checkpoint's names (transformers' names, q/k/v and gate/up apart
-  as a float checkpoint has them): each projection as `<linear>.qweight` and `<linear>.scales` in the layout a
-  `QuantWeight` holds them, its bias, the embedding and the norms in the model's dtype; a tied model's quantized
-  head as `lm_head.qweight` / `lm_head.scales` (the embedding stays float for its row lookups). Not named
-  `model.safetensors`: a reader that does not know the entry below (transformers) finds no weights instead of
-  loading random ones in their place.
-* `config.json`: the float checkpoint's, its dtype the model's, plus a `quantization` entry: the format, the
-  scheme (name, bits, group), the packed layout's name and version (`LAYOUTS`) and the model dtype the scales
-  were rounded to.
-* every other top-level file of the float checkpoint but its weights: tokenizer, chat template, generation config.
-
-`load_quantized` (what `static_decode.checkpoints.loading.load_model` runs when config.json has the entry) checks every
-name, shape and dtype against the config before reading any data, then builds each projection as a QuantLinear over
-its stored tensors (joined q/k/v and gate/up concatenated by rows: a row's codes and scales are its own); only
-the embedding, norms and biases are float. There is no quantization pass, so the model equals the one that was
-saved, to the bit.
-
-Tensor parallelism: a rank reads only its slices. Column-parallel projections: their rows of codes and scales.
-Row-parallel ones (o_proj, down_proj): their columns; int8 codes column by column with the whole rows' scales
-(what quantizing at load gives a rank: the max over the ranks), int4 packed bytes in whole chunks of 64 columns
-(32 bytes) with their groups' scales. The shard is then the one quantizing at load gives; a world size whose
-slices would split a chunk or a group is refused.
+A saved quantized checkpoint loads in the time its bytes take to read, with no range search. `save_quantized` writes
+`quantized.safetensors` (not model.safetensors, so transformers finds no weights rather than wrong ones), the
+config.json with a `quantization` entry, and the float checkpoint's other files. `load_quantized` checks every
+name, shape and dtype before reading data, so the model equals the one saved, to the bit; a tensor-parallel rank
+reads only its slices. The layout in full: docs/internals.md#quant-io.
 """
 
 from __future__ import annotations

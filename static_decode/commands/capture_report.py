@@ -1,14 +1,9 @@
 """`static-decode capture-report`: compile every (kind, bucket) of a model's steps and report what capture did.
 
-One row per pair: compile (and capture) seconds, graphs, graph breaks, recompiles, cudagraph skips and, on
-CUDA, the device memory the capture reserved (graph pool included); the caption sums the graphs per kind (1 per
-kind with a symbolic read length, the CPU default; 1 per bucket with a static one). `--read-len static|symbolic`
-overrides the device default; `--compile-cache DIR` compiles with a persistent compile cache (capture.compile_cache)
-and records its hits and misses in the JSON (`inductor_cache`). `--json PATH` writes it; `--check
-BASELINE.json` exits non-zero when the pairs, or the graphs / graph breaks / cudagraph skips / eager fallback of
-any pair, differ from the baseline (capture.report.CaptureReport.differences). Under torchrun it reports a
-tensor-parallel rank's steps (all-reduces inside), and the "runs" column says "eager (why)" for a kind whose
-compile or capture failed and fell back.
+One row per pair: compile seconds, graphs, graph breaks, recompiles, cudagraph skips and, on CUDA, the memory the
+capture reserved. `--check BASELINE.json` exits non-zero when the pairs, or any pair's graphs, breaks, skips or
+eager fallback, differ from the baseline (capture.report.CaptureReport.differences). The options:
+docs/compile.md#capture-report.
 """
 
 from __future__ import annotations

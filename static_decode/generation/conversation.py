@@ -6,15 +6,8 @@ Each turn appends only its own tokens to what is cached, instead of prefilling t
     for tok in conv.send(turn1_ids, 64): ...     # prefill turn 1, decode the reply
     for tok in conv.send(turn2_ids, 64): ...     # prefill the reply's last token + turn 2 only
 
-After a turn the cache holds the history and every emitted token but the last (a step feeds each token back
-only when it decodes the next one); the next turn feeds that token first, so the cached sequence is exactly the
-conversation's: turn 1, reply 1, turn 2, reply 2, ... Row 0 of the cache carries the conversation.
-
-Refusals come before anything changes: a turn that would not fit (history + turn + max_new_tokens > max_len)
-names the turn and the numbers; a turn after another request reset the cache (a plain `generate`, an abandoned
-turn) raises, since the history it would append to is gone. Both checks hold when the turn runs (the first
-`next()` of send's iterator), not only when send is called. Prompt lookup searches the whole conversation, so a
-seeded turn draws the same tokens as the same sequence sent to a fresh generator.
+Row 0 of the cache carries the conversation. A turn that would not fit, or that follows another request's reset of
+the cache, is refused before anything changes (docs/internals.md#conversation).
 """
 
 from __future__ import annotations

@@ -6,12 +6,8 @@ accepts on the device the longest prefix the target model agrees with, plus the 
 step functions are in static_decode.steps.verify). Greedy output is token for token what plain decode returns;
 sampled output keeps the target distribution (the speculative rejection rule). Rejected K/V stay in the cache
 past the row's length, masked, and are overwritten by later steps: a rollback is only a lower device length.
-
-Whether speculation pays depends on how many tokens a verify step yields against what it costs next to a
-one-token step (on this project's CPU a 5-slot step costs ~1.2-1.5x a 1-slot step; on a GPU about 1x).
-`SpeculationPolicy` (the host side) watches the tokens per verify step at each read-back and falls back to
-plain decode steps for `pause_steps` when they drop below `min_tokens_per_step`, then tries again. It decides
-from token counts only, never from timings, so a seeded sampled request reproduces exactly.
+`SpeculationPolicy` pauses speculation while verify steps yield too few tokens, deciding from token counts only so
+seeded requests reproduce (docs/internals.md#speculation).
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """The speculative step kinds: drafting on the device and verify steps that accept a run of tokens.
 
 Same signature and rules as static_decode.steps.functions: `fn(model, cache, bufs, read_len) -> None`, fixed shapes, no
-host reads. A verify step feeds [next, draft_1..draft_K] (K + 1 slots) at the row's length, so slot t sits at
-position lens + t and the offset mask lets it see the cache plus slots 0..t. Its logits at slot t predict the
-token after slot t. With a accepted drafts the row emits a + 1 tokens (the drafts, then the model's own token
-at slot a) and its device length is lowered from lens + K + 1 to lens + a + 1: the rejected slots' K/V stay
-past the length, masked, and later steps overwrite them (rule 1: nothing moves).
-
-* greedy acceptance: the longest prefix with draft_{t+1} == argmax(logits_t), then argmax(logits_a);
-* sampled acceptance (the speculative rejection rule of Leviathan et al. / Chen et al.): draft t + 1 is kept
-  with probability min(1, p_t(d) / q_t(d)); at the first rejection the token is drawn from max(0, p_t - q_t)
-  renormalised, and after K acceptances from p_K. The emitted tokens are distributed exactly as plain
-  sampling's (p: the processed distribution `sampling.probabilities`). Prompt lookup's q is the one-hot of its
-  draft; a draft model's q is its own processed distribution, kept in `bufs.draft_probs`.
-
-Uniforms are hashed (sampling.uniform) from the row seed with a salt per use and the row's token counter, so
-a seeded request reproduces exactly, eager or compiled.
-
-`speculative_steps(spec, ...)` returns the kinds a Generator adds for a speculation config: `verify` and
-`verify_greedy` always; with a draft model also `draft_prefill` (the prompt chunks into the draft's cache),
-`draft` / `draft_greedy` (K + 1 one-token draft steps that fill `bufs.draft`) and `draft_follow` (feeds the
-draft the token a plain decode step is about to feed, so its cache stays complete while speculation pauses).
-The draft's cache starts every draft step by copying the target's device lengths: that is its rollback.
+host reads. A verify step feeds [next, draft_1..draft_K] at the row's length; with a accepted drafts the row emits
+a + 1 tokens and its device length is lowered to cover only them (rejected K/V stay past it, masked, to be
+overwritten: nothing moves). Greedy acceptance keeps the longest prefix argmax agrees with; sampled acceptance is
+the speculative rejection rule, so emitted tokens are distributed exactly as plain sampling's. `speculative_steps`
+returns the kinds a speculation config adds. Acceptance and the draft kinds in full: docs/internals.md#verify.
 """
 
 from __future__ import annotations

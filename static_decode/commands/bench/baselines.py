@@ -4,16 +4,8 @@ Everything this library exists to avoid, on purpose, so the bench can show what 
 thing on the same weights: the KV cache is a Python list of per-layer tensors grown with `torch.cat` every
 step (rule 1 broken: the whole cache is copied each token), and the KV heads are repeated to the query heads
 before attention (rule 2 broken: K and V are materialised G times). Attention reads the whole grown cache.
-Only the bench's `concat` system imports it (and tests); nothing below the commands does.
-
-It reuses the weights and sub-modules of a `static_decode.Llama` (embedding, norms, projections, rotary
-angles, MLP, head), so its logits match the library's on the same inputs up to rounding; only the cache and
-the attention differ. All rows of a batch advance together (no ragged rows, no n_new): a plain loop's view
-of the world.
-
-    system = ConcatDecoder(model)
-    logits = system.step(prompt)        # [B, T, V]: prefill, T tokens per row
-    logits = system.step(next_token)    # [B, 1, V]: one decode step, the cache grows by torch.cat
+Only the bench's `concat` system imports it (and tests); nothing below the commands does. It reuses a
+`static_decode.Llama`'s weights, so only the cache and the attention differ (docs/internals.md#bench-baselines).
 """
 
 from __future__ import annotations
@@ -67,7 +59,7 @@ class ConcatDecoder:
             raise ValueError(f"tokens has batch {B}, the cache holds {self.k[0].shape[0]} rows: reset() first")
         start = self.length
         positions = (start + torch.arange(T, device=tokens.device)).expand(B, T)  # [B, T]
-        cos, sin = rope.cos_sin(m.inv_freq, positions, m.dtype)  # [B, 1, T, d]
+        cos, sin = m.rotary(positions, torch.full((B,), start + T, device=tokens.device))  # [B, 1, T, r/2]
         x = m.embed_tokens(tokens)  # [B, T, D]
         for i, block in enumerate(m.layers):
             x = x + self._attention(i, block.self_attn, block.input_layernorm(x), cos, sin, start)

@@ -1,17 +1,9 @@
 """Which systems one `static-decode bench` run builds from its weight forms, what each is called, and what its
 weights weigh (the bytes floor of static_decode.commands.bench.report counts each system's own).
 
-* static-decode's forms (`--quantize none,int8,int4`): the model is loaded once per form, and every system that
-  runs static-decode's model (OWN_MODEL) is built once per form on it. With several forms each system is named
-  after its form ("static-decode int8"; the "none" form keeps the plain name); with one form (or no --quantize)
-  the names are the plain ones, as a single --quantize has always run.
-* llama.cpp's GGUFs (`--gguf a.gguf,b.gguf`, `--gguf Q8_0=a.gguf --gguf Q4_0=b.gguf`): one llama.cpp system per
-  file, "llama.cpp NAME" with NAME from NAME= or else the file's `general.file_type` as llama.cpp names it
-  ("llama.cpp Q8_0"); one unnamed file keeps the plain "llama.cpp". Two files of one type: the file names too.
-* Weight bytes a decode step reads: static_decode.model.quant.read_bytes of the form's model for ours; llama.cpp's own
-  count of the GGUF's tensor bytes (llama_model_size, read with the vocabulary only: no weights loaded) for a
-  GGUF, the file size (tensors plus metadata, a slight over-count) where llama-cpp-python cannot tell; the
-  parameters' bytes of transformers' model, less the embedding but one row where its head has weights of its own.
+One model per `--quantize` form with every own-model system on it ("static-decode int8"), one llama.cpp system per
+`--gguf` file ("llama.cpp Q8_0"); a single form or file keeps the plain names. Naming and byte counting in full:
+docs/internals.md#bench-lineup.
 """
 
 from __future__ import annotations

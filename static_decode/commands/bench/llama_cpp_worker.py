@@ -5,17 +5,8 @@ so a peer that crashes (llama.cpp's AMX path segfaults on Q8_0/Q4_0 on some Xeon
 not the whole bench. Run as `python -m static_decode.commands.bench.llama_cpp_worker`; it imports llama_cpp and
 numpy only, never torch.
 
-Protocol: one JSON object a line. Requests arrive on stdin, replies leave on the file descriptor that was
-stdout when the process started; stdout itself is pointed at stderr first, so nothing llama.cpp prints can
-corrupt a reply. Every reply has "ok"; a Python error in a request is {"ok": false, "error": "..."}.
-
-    {"op": "info"}                                            -> {"ok", "system_info", "version"} (before load)
-    {"op": "load", "gguf": PATH, "n_ctx": N, "threads": T}  -> {"ok", "n_vocab", "n_ctx", "n_batch", "file_type"}
-    {"op": "start", "prompt": [ids], "new_tokens": N}        -> {"ok", "first": id}   (reset, prefill, token 0)
-    {"op": "finish"}                                          -> {"ok", "tokens": [ids]} (all N new tokens)
-    {"op": "exit"}                                            -> the process ends
-
-Greedy by argmax of the last logits row after each `eval` (see LlamaCppSystem in bench_systems).
+Protocol: one JSON object a line, ops info, load, start, finish, exit; replies go to the original stdout, with
+stdout pointed at stderr so nothing llama.cpp prints can corrupt one. Every message: docs/internals.md#llamacpp-worker.
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """`static-decode bench`'s report: terminal tables, plot, JSON and the checks, from the run's JSON document.
 
-The JSON document (`--json PATH`):
-
-    machine   cpu, cores, threads, torch, python, device, load averages before and after the run
-    model     path, parameters, layers, hidden, heads, kv_heads, head_dim, vocab, dtype
-    bench     the reproducing command, max_len, contexts, steps, repeats, warmup, prompt, how it is timed
-    systems   [{system, setup_s, mode | skipped, weight_bytes?, weight_bytes_counted?, quantize? | gguf?,
-                file_type?, failed?, stderr_tail?, hint?}]: weight_bytes are the bytes of weights one decode step
-                of that system reads (static_decode.commands.bench.lineup says how each kind is counted); failed:
-                a peer whose worker process crashed or hung ("crashed, SIGSEGV (context 128, timed)"), which then
-                has no rows, with its stderr's last lines and, for an AMX build of llama.cpp, how to rebuild it
-    rows      [{system, context, max_len, ms_per_token, prefill_ms, ms_per_token_best, prefill_ms_best,
-                decode_steps, repeats, tokens_match, first_mismatch, compared_with, ms_per_token_samples,
-                read_len?}]
-    bandwidth {read_gbps_before, read_gbps_after, probe}: a plain sum's read rate around the sweep
-    bound     [{system, context, bytes_per_token, gbps, read_fraction}]: each row's bytes floor (the system's own
-              weight bytes and the live K/V once) over its ms/token, and as a fraction of the mean read
-              bandwidth: near 1, the step is memory-bound; well below, overhead or compute
-    relative  {to, rows: [{system, context, ms_per_token, prefill_ms}]}: each median over the first system's
-    attention [{impl, length, ms, median_ms, gbps, bandwidth_fraction, read_bandwidth_gbps, ...}]
-    checks    measured ratios: static-decode against transformers per context, and the design's expectations
-              (bucketed reads below full reads, cost following the bytes read), each of those with "met"
-    notes     skipped systems, token mismatches, the profile trace
+The JSON document (`--json PATH`) has machine, model, bench, systems, rows, bandwidth, bound (each row's bytes floor
+over its ms/token: near 1 memory-bound), relative, attention, checks and notes; every field:
+docs/internals.md#bench-report.
 """
 
 from __future__ import annotations

@@ -1,37 +1,17 @@
 """The `static-decode bench` run: per-token decode latency and prefill time of every system, side by side.
 
-Same model, machine and prompt for every system (static_decode.commands.bench.systems). At each live context L of the
-sweep (fixed max_len) a request prefills the first L tokens of the prompt and emits `steps + 1` greedy tokens
-(EOS disabled, so every request does the same work):
-
-    prefill_s = wall time of system.start (reset, prefill, first token back on the host)
-    decode_s  = wall time of system.finish (the `steps` decode steps, every token back on the host)
-
-Both end at a read-back, so they hold the device work and the host overhead (the Generator's read-back every
-`read_every` steps included). ms_per_token = decode_s / steps of one request (the mean over its steps); the
-table reports the median over `repeats` requests after `warmup` requests, and the JSON also the best. Systems
-take turns request by request (system 1, 2, ..., 1, 2, ...), so a burst of load from a neighbour on a shared
-machine hits all of them alike. Every system's tokens are compared with `static-decode`'s of the same weight
-form (static_decode.commands.bench.lineup: the forms of --quantize, the GGUFs of --gguf); the report gives each
-system's medians and their ratios to the first system's.
-
-With profiles/ present (a source checkout) the run also times decode attention alone at Llama-3.1-8B head
-shape against the machine's read bandwidth (profiles/attention_bench.py) for the JSON's "attention" rows.
-Tables, the plot and the checks live in static_decode.commands.bench.report; the options in
-static_decode.commands.bench.command.
-
-Under torchrun (`torchrun --nproc-per-node N -m static_decode bench ...`) every rank loads its shard and runs
-the tensor-parallel systems (TP_SYSTEMS) in lockstep; the single-process baselines and the attention rows
-are skipped with a note, and rank 0 prints and writes the JSON.
+Same model, machine and prompt for every system (static_decode.commands.bench.systems). At each context a request
+prefills the prompt's first L tokens (timed as prefill, up to the first token on the host) and decodes `steps`
+tokens (timed as decode, every token on the host). Systems take turns request by request, so a neighbour's load
+hits all alike; tokens are compared with static-decode's of the same weight form. Under torchrun every rank runs
+the tensor-parallel systems in lockstep. Tables and checks: static_decode.commands.bench.report; how a point is
+timed: docs/internals.md#bench-run.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,120 +25,12 @@ from static_decode.checkpoints.loading import default_model_path, load_tokenizer
 from static_decode.commands.args import check_device, check_written
 from static_decode.commands.bench.config import PROFILE_STEPS, BenchConfig
 from static_decode.commands.bench.lineup import load_forms, plan, read_gguf, weights
+from static_decode.commands.bench.machine import READ_BYTES, machine, read_bandwidth
 from static_decode.commands.bench.peer import PeerFailed, amx_hint
 from static_decode.commands.bench.report import bound, checks, relative
 from static_decode.commands.bench.systems import TP_SYSTEMS, System, build, load_profiles_module
+from static_decode.commands.bench.timing import IdleGate, Timing, time_interleaved
 from static_decode.core.attention import IMPLS
-
-
-@dataclass
-class Timing:
-    """Timed requests of one system at one context."""
-
-    steps: int
-    prefill_s: list[float] = field(default_factory=list)
-    decode_s: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)  # the new tokens of the first timed request
-
-    def ms_per_token(self, reduce: Callable[[list[float]], float] = statistics.median) -> float:
-        return 1e3 * reduce([d / self.steps for d in self.decode_s])
-
-    def prefill_ms(self, reduce: Callable[[list[float]], float] = statistics.median) -> float:
-        return 1e3 * reduce(self.prefill_s)
-
-
-def request(system: System, prompt: list[int], steps: int, timing: Timing | None, clock=time.perf_counter) -> list[int]:
-    """One request of `steps` + 1 new tokens; its prefill and decode wall times go into `timing` (if any)."""
-    t0 = clock()
-    with ranges.range(ranges.bench_name("prefill")):
-        system.start(prompt, steps + 1)
-    t1 = clock()
-    with ranges.range(ranges.bench_name("decode")):
-        tokens = system.finish()
-    t2 = clock()
-    if len(tokens) != steps + 1:
-        raise RuntimeError(f"{system.name} emitted {len(tokens)} tokens, expected {steps + 1}")
-    if timing is not None:
-        if not timing.tokens:
-            timing.tokens = list(tokens)
-        timing.prefill_s.append(t1 - t0)
-        timing.decode_s.append(t2 - t1)
-    return tokens
-
-
-def time_interleaved(
-    systems: Sequence[System], prompts: Mapping[int, list[int]], steps: int, *, repeats: int, warmup: int,
-    clock=time.perf_counter, tick: Callable[[int], None] = lambda context: None,
-    gate: Callable[[], None] = lambda: None, failed: dict[str, tuple[str, str]] | None = None,
-) -> dict[int, dict[str, Timing]]:
-    """`warmup` untimed then `repeats` timed requests per system and context (`prompts`: context -> prompt), taking
-    turns request by request over the contexts and, within each, the systems: a slower phase of a shared machine then
-    falls on every context and system alike, so the ratios between contexts compare as well as those between
-    systems (taking the contexts one after another, a phase change between them read as a long-context cost).
-    `gate()` runs before each timed request (outside the timing), `tick(context)` after it.
-
-    A peer whose worker fails (PeerFailed: crashed, hung) leaves the run: `failed` gets its name -> (what happened
-    and where, the worker's stderr tail), the timings hold none of its requests, and the other systems go on."""
-    timings = {L: {s.name: Timing(steps) for s in systems} for L in prompts}
-    failed = {} if failed is None else failed
-    live = list(systems)
-
-    def attempt(s: System, L: int, phase: str, timing: Timing | None) -> None:
-        try:
-            request(s, prompts[L], steps, timing, clock)
-        except PeerFailed as e:
-            failed[s.name] = (f"{e.what} (context {L}, {phase})", e.detail)
-            live.remove(s)
-            for t in timings.values():
-                t.pop(s.name, None)
-
-    with ranges.range(ranges.bench_name("warmup")):
-        for _ in range(warmup):
-            for L in prompts:
-                for s in list(live):
-                    attempt(s, L, "warm-up", None)
-    for _ in range(repeats):
-        for L in prompts:
-            for s in list(live):
-                gate()
-                attempt(s, L, "timed", timings[L][s.name])
-                tick(L)
-    return timings
-
-
-class IdleGate:
-    """Wait (up to `limit_s`) until the machine's CPUs are >= `threshold` idle over a 0.1 s window, read from
-    /proc/stat: on a shared machine a timed request then does not time the neighbours. Counted, never hidden."""
-
-    def __init__(self, limit_s: float, threshold: float = 0.9) -> None:
-        self.limit_s, self.threshold = limit_s, threshold
-        self.stats = {"limit_s": limit_s, "threshold": threshold, "requests": 0, "gave_up": 0, "waited_s": 0.0}
-
-    @staticmethod
-    def idle_fraction(window_s: float = 0.1) -> float:
-        def read() -> tuple[int, int]:
-            with open("/proc/stat") as f:
-                vals = [int(x) for x in f.readline().split()[1:]]
-            return vals[3] + vals[4], sum(vals)  # idle + iowait, total
-
-        try:
-            i0, t0 = read()
-            time.sleep(window_s)
-            i1, t1 = read()
-        except (OSError, ValueError, IndexError):
-            return 1.0  # no /proc/stat: nothing to wait for
-        return (i1 - i0) / max(1, t1 - t0)
-
-    def __call__(self) -> None:
-        if self.limit_s <= 0:
-            return
-        self.stats["requests"] += 1
-        start = time.monotonic()
-        while self.idle_fraction() < self.threshold:
-            if time.monotonic() - start > self.limit_s:
-                self.stats["gave_up"] += 1
-                break
-        self.stats["waited_s"] = round(self.stats["waited_s"] + time.monotonic() - start, 2)
 
 
 def make_prompt(path: Path, vocab: int, length: int) -> tuple[list[int], str]:
@@ -172,49 +44,6 @@ def make_prompt(path: Path, vocab: int, length: int) -> tuple[list[int], str]:
             return (ids * (length // len(ids) + 1))[:length], "static_decode/**/*.py source text, tokenized"
     rng = np.random.default_rng(0)
     return rng.integers(0, vocab, size=length).tolist(), "random ids (numpy default_rng(0))"
-
-
-def machine(threads: int, device: torch.device) -> dict[str, Any]:
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    import platform
-
-    info = {
-        "cpu": cpu or platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": threads,
-        "torch": torch.__version__, "python": platform.python_version(), "device": str(device),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "load_avg_before": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
-READ_BYTES = 1 << 30  # what the read-bandwidth probe sums: far past any cache, as a decode step's weights are
-
-
-def read_bandwidth(
-    device: torch.device, nbytes: int = READ_BYTES, repeats: int = 5, clock: Callable[[], float] = time.perf_counter
-) -> float:
-    """GB/s (1e9 B/s) of the best of `repeats` float32 sums over `nbytes`: the rate a memory-bound decode step can
-    approach on this machine now (its speed drifts, so the bench measures it before and after the sweep)."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    x.sum()  # untimed: the first pass faults the pages in
-
-    def timed() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = clock()
-        x.sum()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return clock() - t0
-
-    return x.nbytes / min(timed() for _ in range(repeats)) / 1e9
 
 
 def run(config: BenchConfig) -> dict[str, Any]:

@@ -6,29 +6,10 @@ clock for every system:
     system.start(prompt, new_tokens)   # reset, prefill the prompt, emit the first token (it is on the host)
     tokens = system.finish()           # the other new_tokens - 1 decode steps; all new tokens on the host
 
-EOS never stops a request (every system emits exactly new_tokens), so every request does the same work.
-
-* `static-decode`: `Generator(compile=True)`: the default read ladder and the default compile settings of
-  capture/ (CPU: inductor's C++ wrapper; CUDA: CUDA graphs), every greedy (kind, bucket) compiled in setup.
-* `static-decode-lookup`: the same with speculative decoding by prompt lookup (`PromptLookup()`: 4 draft tokens
-  from the last 3-gram's earlier occurrence, the default fallback policy); the bench prompt is source code, so
-  the continuation can quote it. Its cache has 4 more positions (the drafts of the last verify step).
-* `static-decode-eager`: `Generator(compile=False)` (reads exactly the live length).
-* `full-read`: the same compiled steps with a one-rung ladder [max_len]: every step reads the whole cache,
-  as gpt-fast and transformers' StaticCache do.
-* `concat`: the deliberately naive baseline of static_decode.commands.bench.baselines (cache grown by torch.cat, KV
-  heads repeated); nothing below the commands imports it.
-* `transformers`: the checkpoint's own transformers model (AutoModelForCausalLM: Llama, Qwen2/3, Mistral) with
-  its StaticCache and the decode loop of its docs ("Optimizing inference", custom loop with StaticCache): prefill
-  eager, the one-token decode function compiled with torch.compile(mode="reduce-overhead", fullgraph=True); eager
-  if that fails.
-* `llama.cpp`: llama-cpp-python (the `llamacpp` extra) on a GGUF of the same weights (`--gguf PATH`; e.g. written
-  by profiles/smollm2.py with llama.cpp's own convert_hf_to_gguf.py), on the CPU with the bench's threads; one
-  system per GGUF with several (static_decode.commands.bench.lineup names them after their quant types). Greedy
-  by argmax of the last logits row after each `eval`, not llama.cpp's sampler chain, so nothing but the logits
-  decides a token. Each runs in a worker process of its own (static_decode.commands.bench.llama_cpp_worker): a peer
-  that crashes or hangs raises PeerFailed, which the bench reports as that system's row. Skipped with a note
-  when llama_cpp is not installed or no GGUF is given.
+EOS never stops a request (every system emits exactly new_tokens), so every request does the same work. The
+systems: static-decode (compiled), static-decode-lookup, static-decode-eager, full-read, concat, transformers
+(its StaticCache loop, decode compiled) and llama.cpp (one worker process per GGUF, greedy by argmax of the
+logits). What each is: docs/internals.md#bench-systems.
 """
 
 from __future__ import annotations

@@ -8,13 +8,8 @@ sampled requests (--capture-kinds) before it listens, so the first request is as
 one line with the address. Requests decode one at a time in arrival order (static_decode.commands.serve.worker);
 a request whose prompt starts with tokens the cache holds from the previous request prefills only the rest
 (static_decode.generation.prefix_cache). SIGINT or SIGTERM stops it within a second: new requests are refused, the
-running one stops at its next read-back and every open request gets an answer.
-
-The stack is Starlette on uvicorn (the `serve` extra): Starlette is the ASGI toolkit FastAPI is built on, with
-the streaming response SSE needs and nothing else; FastAPI's request models would answer bad input with its own
-422 bodies, where the OpenAI API has its own error body for every refusal (static_decode.commands.serve.api), so
-the checks are written out either way. uvicorn is the reference ASGI server, with the signal handling and
-graceful shutdown the server builds on.
+running one stops at its next read-back and every open request gets an answer. Starlette on uvicorn (the `serve`
+extra), not FastAPI: docs/internals.md#serve.
 """
 
 from __future__ import annotations
