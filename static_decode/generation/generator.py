@@ -2,23 +2,10 @@
 
 Per request the host checks everything first (static_decode.generation.request: a refused request changes nothing),
 fills the step buffers, then only launches steps (static_decode.steps.functions) back to back: prefill chunks, the
-first token, then one decode step per token. It never reads the device lengths; it knows them for prefill (it chose
-n_new) and keeps an upper bound during decode (each step adds at most one token per row), from which the runner
-picks the read length. Emitted tokens are read back from `bufs.out` in batches (every `read_every` steps and at the
-end): that is the only sync during decode, and it is also where the host notices that every row finished.
-
-With `speculate` (static_decode.steps.speculation) decode runs verify steps instead, each emitting 1..K+1 tokens per
-row; that host loop (bounds instead of exact lengths, read-backs, when to run plain steps) is
-static_decode.generation.speculative_loop.
-
-What runs a step is the runner's business (`static_decode.steps.functions.StepRunner`): it answers the read length of a
-step and the callable of a step kind at that length. `EagerRunner` by default; with `compile=True` the
-capture layer's `CompiledRunner` (one graph per (kind, read bucket), the capture policy with it).
-
-A tensor-parallel model (`model.tp`, static_decode.model.parallel) needs nothing else here: every rank runs this same
-host loop over its own shard and cache; the step's all-reduces make the logits, hence the tokens, the same on
-every rank, so every rank takes the same decisions (EOS, read-backs, read lengths) and the collectives stay in
-step.
+first token, then one decode step per token. It never reads the device lengths (it keeps an upper bound), and reads
+emitted tokens back only every `read_every` steps: the one sync of decode. The runner (`StepRunner`: eager, or
+capture's `CompiledRunner`) picks read lengths and step callables; speculation's loop is speculative_loop.
+Design notes: docs/internals.md#generator.
 """
 
 from __future__ import annotations

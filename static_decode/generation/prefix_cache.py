@@ -1,17 +1,9 @@
 """Prompt-prefix reuse across independent requests on one generator's cache (row 0).
 
-A server that answers a chat client sees the whole conversation again at every turn; an editor resends the same
-file with a new tail. `PrefixCache` remembers the token sequence its generator's cache holds after each request
-(the prompt and every emitted token but the last, which a step feeds back only when it decodes the next one) and
-starts the next request from the longest common prefix of that sequence and the new prompt: the cache's length
-is set back to the prefix (the K/V past it is stale and masked: every query sees keys 0..i only, and the next
-prefill writes over it) and only the rest of the prompt is prefilled. At least one prompt token is always
-prefilled, since its logits pick the first new token.
-
-A request given up part-way (a closed stream) resets the generator's cache; its prompt's K/V is still in place
-(decode steps wrote only past it), so the prompt is kept as the cached sequence. A request refused by the
-generator's checks changes nothing. With a draft model (speculation with a second cache) a prefix is reused
-only when it is the whole cached sequence, as `Conversation` does: the draft cache is never cut back.
+`PrefixCache` remembers the token sequence the cache holds after each request and starts the next from the longest
+common prefix with the new prompt: the cache's length is set back to the prefix (the K/V past it is masked and
+overwritten) and only the rest is prefilled, always at least one token. Abandoned, refused and speculative
+requests: docs/internals.md#prefix-cache.
 """
 
 from __future__ import annotations

@@ -5,22 +5,9 @@ Every step has the signature `fn(model, cache, bufs, read_len) -> None`: fixed s
 outputs can lose nothing). The capture layer compiles these functions unchanged, one graph per
 (kind, read bucket); `STEPS` maps each kind to its function (static_decode.steps.verify adds the speculative kinds).
 
-One request runs: `prefill` once per chunk of the prompts, then `first` (or `first_greedy`), then `decode`
-(or `decode_greedy`) once per further token. The greedy kinds skip the sort and the noise; the host picks
-them when every row of the request has temperature 0.
-
-Each row counts its own emitted tokens (`bufs.step[b]`): token i of row b is written to out[b, i] and to
-hist[b, plen[b] + i] (hist holds the request's prompt, then its output: what prompt lookup searches). A step
-may emit several tokens per row (a speculative verify step) or none (a row that is done), so the rows' counters
-drift apart. A row that emitted an EOS id, or its `limit` of tokens, is `done`: later steps feed it nothing
-(n_new = 0, so its cache row and length stay put) and write only to the trash column past the output.
-
-Every token a row has fed or emitted is marked in `seen` (the prompt by the host, the output by `emit`), and
-every token it emitted is counted in `counts` (by `emit`; the host zeroes it per request). The token-choosing
-steps adjust the logits before choosing, greedy or sampled (sampling's order): the row's logit bias entries
-added, the repetition penalty on the seen tokens (1 = off), the presence and frequency penalties on the counted
-ones (0 = off); a sampled row then filters by min_p (0 = off), top_k and top_p. Every value lives in a buffer,
-so one graph per kind serves every request's values (an off sampler costs a few elementwise ops on [B, V]).
+A request runs `prefill` per prompt chunk, `first`, then `decode` per token (the greedy kinds when every row has
+temperature 0). Each row counts its own emitted tokens; a `done` row is fed nothing. Every sampler value lives in a
+buffer, so one graph per kind serves every request. Rows, counters and penalties: docs/internals.md#functions.
 """
 
 from __future__ import annotations

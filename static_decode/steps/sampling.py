@@ -1,31 +1,10 @@
 """Token choice on the device: greedy, or sampling by the exponential race, with per-row parameters.
 
-Sampling a token with probabilities p is the same as taking argmax_v p_v / E_v with E_v ~ Exp(1) independent
-(the exponential race; equivalently argmax logits_v / T - log E_v, the Gumbel-max trick). The E_v come from a
-counter-based integer hash of (seed[b], step, v), computed with int64 tensor ops that never overflow (every
-value stays below 2**48), so:
-
-* no torch.Generator and no host sync inside the step: it captures and compiles like any other op;
-* the draw depends only on (seed, step, token id): the same eager or compiled, whatever the batch or chunking;
-* a fixed seed reproduces the tokens exactly.
-
-Per row: temperature [B] (0 = greedy argmax), min_p [B] (0 = off), top_k [B] (<= 0 = off), top_p [B] (>= 1 =
-off), applied in vLLM's documented order: temperature, then min-p (keep the tokens whose probability is at least
-min_p times the top token's), then top-k, then top-p on the remaining probabilities. Min-p and top-k commute (the
-top token is always kept and renormalising keeps every ratio to it), so this is transformers' order for
-temperature / top-k / top-p; with both min-p and top-p set, top-p's mass is over the tokens min-p kept (vLLM),
-where transformers and llama.cpp's chain run min-p after top-p. With temperature 0, min-p, top-k and top-p are
-ignored (as transformers' do_sample=False ignores them).
-
-Before all of them, on the logits, in vLLM's and llama.cpp's order (both greedy and sampled rows):
-1. the logit bias (`bias`, OpenAI's `logit_bias`): a few (token id, bias) entries per row added to the logits;
-2. the repetition penalty (`penalize`, CTRL's and llama.cpp's definition): the logit of a token already seen is
-   divided by the penalty when positive and multiplied by it when negative, so a penalty above 1 makes every seen
-   token less likely, whatever its sign;
-3. the presence and frequency penalties (`penalize_counts`, OpenAI's definition): logit[t] -= presence *
-   (count[t] > 0) + frequency * count[t].
-Which tokens were seen and how often each was emitted are device tensors [B, V] the steps keep up to date, so
-applying them reads nothing back.
+Sampling is argmax_v p_v / E_v with E_v ~ Exp(1) drawn from a counter-based hash of (seed, step, token id): no
+torch.Generator and no host sync in the step, the same draw eager or compiled, whatever the batch, and a fixed
+seed reproduces the tokens. Per row, in vLLM's order: logit bias, repetition penalty, presence and frequency
+penalties (on the logits, greedy rows too), then temperature (0 = greedy), min-p, top-k, top-p. The seen and
+counted tokens are device tensors, so nothing is read back. The orders and definitions: docs/internals.md#sampling.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """The decode worker of `static-decode serve`: one thread owns the generator and runs requests in arrival order.
 
-The generator is not thread-safe (one cache, one set of step buffers), so every request runs on this thread,
-one at a time; the HTTP side only checks requests, queues them and reads their events. A request's events go
-to its own asyncio queue through `loop.call_soon_threadsafe`, one event per read-back (the text that read-back
-completed), so the event loop is woken once per read-back, not per token, and never waits on the device.
-
-The queue is bounded: `queue` requests may wait behind the running one; one more is refused (HTTP 429, with a
-Retry-After from the recent time per request). A request whose client went away is cancelled: a waiting one is
-dropped when its turn comes, a running one stops at its next read-back (the generator's stream is closed, which
-leaves its cache consistent) and the next request starts. Text goes through `tokenizers.decoders.DecodeStream`
-(constant work per token) and `StopStrings` (a stop string ends the request and is never sent).
+The generator is not thread-safe, so every request runs on this thread; the HTTP side checks, queues and reads
+events, one per read-back. The queue is bounded (one more is HTTP 429), and a request whose client left is
+cancelled at its turn or its next read-back. Details: docs/internals.md#serve-worker.
 """
 
 from __future__ import annotations
