@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-from static_decode.commands.bench.run import IdleGate
-from static_decode.commands.bench.run import read_bandwidth as _read_bandwidth
+from static_decode.commands.bench.machine import read_bandwidth as _read_bandwidth
+from static_decode.commands.bench.timing import IdleGate
 from static_decode.core.attention import DEFAULT_IMPL, IMPLS, grouped_attention
 from static_decode.core.cache import StaticKVCache
 

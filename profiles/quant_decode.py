@@ -6,7 +6,7 @@
 Each form is DTYPE or DTYPE:QUANTIZE, run as the bench's `static-decode` system (a compiled Generator, the CPU
 default settings: layer regions, and the fused decode layers where they take the model); each GGUF as the bench's
 `llama.cpp` system. Every system's requests take turns with the others' and over the contexts
-(static_decode.commands.bench.run.time_interleaved), so a slow phase of the shared machine falls on all alike;
+(static_decode.commands.bench.timing.time_interleaved), so a slow phase of the shared machine falls on all alike;
 medians over the repeats. The prompt is Python's argparse.py source.
 """
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from static_decode.checkpoints.loading import load_model, load_tokenizer
-from static_decode.commands.bench.run import time_interleaved
 from static_decode.commands.bench.systems import GeneratorSystem, LlamaCppSystem
+from static_decode.commands.bench.timing import time_interleaved
 from static_decode.model.quant import weight_bytes
 
 

@@ -156,7 +156,7 @@ def main() -> int:
     out = ROOT / "profiles" / "results" / f"{time.strftime('%Y-%m-%d')}-tp-cpu.json"
     ap.add_argument("--out", type=Path, default=out)
     args = ap.parse_args()
-    from static_decode.commands.bench.run import machine
+    from static_decode.commands.bench.machine import machine
 
     doc: dict[str, Any] = {"machine": machine(1, torch.device("cpu")), "context": args.context,
                            "steps": args.steps, "repeats": args.repeats, "max_len": args.max_len, "rows": []}

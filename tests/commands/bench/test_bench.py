@@ -22,9 +22,11 @@ from capture import CompileSettings
 from static_decode.commands import cli
 from static_decode.commands.bench import command as bench
 from static_decode.commands.bench import config as bench_config
+from static_decode.commands.bench import machine as bench_machine
 from static_decode.commands.bench import report as bench_report
 from static_decode.commands.bench import run as bench_run
 from static_decode.commands.bench import systems as bench_systems
+from static_decode.commands.bench import timing as bench_timing
 from tests.support.checkpoints import hf_greedy, hf_llama, save
 
 EAGER = CompileSettings(backend="eager")  # dynamo only: the compiled systems' logic, without inductor's minutes
@@ -68,7 +70,7 @@ def test_timing_loop_medians_over_timed_requests_only_and_interleaves():
     a = FakeSystem("a", clock, prefill=0.010, step=0.001, log=log)
     b = FakeSystem("b", clock, prefill=0.020, step=0.004, log=log, offset=5)
     gated, ticks = [], []
-    t = bench_run.time_interleaved([a, b], {3: [1, 2, 3], 5: [1, 2, 3, 4, 5]}, steps=4, repeats=3, warmup=2,
+    t = bench_timing.time_interleaved([a, b], {3: [1, 2, 3], 5: [1, 2, 3, 4, 5]}, steps=4, repeats=3, warmup=2,
                                    clock=clock, gate=lambda: gated.append(len(log)), tick=ticks.append)
     # 2 warm-up rounds then 3 timed, each round every context in turn and, within it, every system in turn.
     assert log == [("a", 3), ("b", 3), ("a", 5), ("b", 5)] * 5
@@ -87,15 +89,15 @@ def test_timing_loop_medians_over_timed_requests_only_and_interleaves():
 
 def test_idle_gate_waits_for_idle_cpus_and_counts_when_it_gives_up(monkeypatch):
     readings = iter([0.2, 0.5, 0.95])
-    monkeypatch.setattr(bench_run.IdleGate, "idle_fraction", staticmethod(lambda: next(readings)))
-    gate = bench_run.IdleGate(limit_s=60)
+    monkeypatch.setattr(bench_timing.IdleGate, "idle_fraction", staticmethod(lambda: next(readings)))
+    gate = bench_timing.IdleGate(limit_s=60)
     gate()  # busy, busy, idle: returns after the third reading
     assert next(readings, None) is None and gate.stats["gave_up"] == 0 and gate.stats["requests"] == 1
-    monkeypatch.setattr(bench_run.IdleGate, "idle_fraction", staticmethod(lambda: 0.0))
-    impatient = bench_run.IdleGate(limit_s=1e-9)
+    monkeypatch.setattr(bench_timing.IdleGate, "idle_fraction", staticmethod(lambda: 0.0))
+    impatient = bench_timing.IdleGate(limit_s=1e-9)
     impatient()
     assert impatient.stats["gave_up"] == 1
-    off = bench_run.IdleGate(limit_s=0)
+    off = bench_timing.IdleGate(limit_s=0)
     off()
     assert off.stats["requests"] == 0  # off: not even a /proc/stat read
 
@@ -105,11 +107,11 @@ def test_a_system_emitting_the_wrong_number_of_tokens_is_refused():
     s = FakeSystem("short", clock, 0.0, 0.0, [])
     s.finish = lambda: [1]
     with pytest.raises(RuntimeError, match="short emitted 1 tokens, expected 4"):
-        bench_run.request(s, [1], 3, None, clock)
+        bench_timing.request(s, [1], 3, None, clock)
 
 
 def test_a_token_mismatch_is_reported_with_its_first_index():
-    ref, other = bench_run.Timing(3, [0.1], [0.3], [4, 5, 6, 7]), bench_run.Timing(3, [0.1], [0.3], [4, 5, 9, 7])
+    ref, other = bench_timing.Timing(3, [0.1], [0.3], [4, 5, 6, 7]), bench_timing.Timing(3, [0.1], [0.3], [4, 5, 9, 7])
     s = FakeSystem("x", FakeClock(), 0, 0, [])
     row = bench_run._row(s, other, 10, 64, ref)
     assert (row["tokens_match"], row["first_mismatch"]) == (False, 2)
@@ -133,7 +135,7 @@ def test_every_system_gives_the_reference_greedy_tokens(checkpoint):
             continue
         assert system is not None, why
         for _ in range(2):  # the second request reuses the system's cache: it must start from scratch
-            assert bench_run.request(system, prompt, 6, None) == want, name
+            assert bench_timing.request(system, prompt, 6, None) == want, name
 
 
 def test_transformers_compiled_decode_step_gives_the_same_tokens(checkpoint):
@@ -144,7 +146,7 @@ def test_transformers_compiled_decode_step_gives_the_same_tokens(checkpoint):
     system = bench_systems.TransformersSystem(path, model.dtype, model.device, 40, compile=True, backend="eager")
     assert "torch.compile(backend='eager', fullgraph=True)" in system.mode  # it did not fall back to eager
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    assert bench_run.request(system, prompt, 5, None) == hf_greedy(hf, prompt, 6, eos=None)
+    assert bench_timing.request(system, prompt, 5, None) == hf_greedy(hf, prompt, 6, eos=None)
 
 
 def test_bench_run_json_plot_and_profile(checkpoint, tmp_path, capsys):
@@ -339,5 +341,5 @@ def test_bound_is_the_bytes_floor_over_each_row():
 
 def test_read_bandwidth_is_bytes_over_the_best_sum():
     ticks = iter([0.0, 0.5, 1.0, 1.25, 2.0, 3.0])  # sums of 0.5, 0.25 and 1.0 s: the best is 0.25
-    gbps = bench_run.read_bandwidth(torch.device("cpu"), nbytes=4 * 1000, repeats=3, clock=lambda: next(ticks))
+    gbps = bench_machine.read_bandwidth(torch.device("cpu"), nbytes=4 * 1000, repeats=3, clock=lambda: next(ticks))
     assert gbps == pytest.approx(4000 / 0.25 / 1e9)
