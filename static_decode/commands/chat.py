@@ -32,6 +32,7 @@ from static_decode.commands.args import (
     check_max_len,
     speculation,
 )
+from static_decode.commands.samplers import add_sampler_arguments, check_sampler_flags, sampler_options
 from static_decode.commands.streaming import write_stream
 from static_decode.generation.conversation import Conversation
 from static_decode.generation.generator import DEFAULT_CHUNK_SIZE, Generator
@@ -139,14 +140,13 @@ def run_chat(args: argparse.Namespace) -> int:
     model.kv_dtype = getattr(args, "kv_dtype", None)
     max_len = args.max_len if args.max_len is not None else min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)
     spec = speculation(args, model)
-    if spec is not None and args.repeat_penalty not in (None, 1.0):  # refused now rather than at every turn
-        raise ValueError(f"--repeat-penalty {args.repeat_penalty} is not supported with --speculate")
+    check_sampler_flags(args, spec is not None, model.config.vocab_size)  # refused now rather than at every turn
     capture = capture_options(args.compile, args.temperature, spec)
     gen = Generator(model, max_len=max_len, chunk_size=args.chunk_size, long_chunk=args.long_chunk, batch=1,
                     compile=args.compile, capture=capture, speculate=spec)
     session = ChatSession(gen, tokenizer, template, system=args.system)
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-                "repeat_penalty": args.repeat_penalty}
+                "repeat_penalty": args.repeat_penalty, **sampler_options(args)}
     interactive = tp.rank == 0 and sys.stdin.isatty()
     while True:
         if interactive:
@@ -212,5 +212,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message that opens the conversation")
     add_speculation_arguments(p)
     add_text_arguments(p)
+    add_sampler_arguments(p)
     add_threads_argument(p)
     p.set_defaults(run=run_chat, distributed=True)

@@ -24,6 +24,7 @@ from static_decode.commands.args import (
     int_list,
     speculation,
 )
+from static_decode.commands.samplers import add_sampler_arguments, check_sampler_flags, sampler_options
 from static_decode.commands.streaming import write_stream
 from static_decode.generation.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
 from static_decode.generation.stats import GenerationStats
@@ -64,6 +65,7 @@ def add_generation_arguments(p: argparse.ArgumentParser, *, demo: bool = False) 
     p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler Chrome trace of the run here")
     add_speculation_arguments(p)
     add_text_arguments(p)
+    add_sampler_arguments(p)
     add_threads_argument(p)
     if not demo:
         p.add_argument("--chat", action="store_true", help="render --prompt as one user message of the chat template")
@@ -127,6 +129,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:  # checked first: the default max_len is derived from it
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_max_len(args.max_len)
+    check_sampler_flags(args, speculating=False)  # with --speculate the generator says which it refuses
     check_output("--profile", getattr(args, "profile", None))
     launch = getattr(args, "launch", None)  # set under torchrun: this rank's shard and device
     if launch is None or args.threads is not None:  # under torchrun the launcher shares the cores by default
@@ -190,6 +193,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         read_every=args.read_every,
         repeat_penalty=args.repeat_penalty,
+        **sampler_options(args),
     )
     clock = _Clock(tokens)
     tokens = iter(clock)

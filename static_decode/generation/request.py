@@ -48,13 +48,14 @@ class SamplingParams:
 
     min_p (in [0, 1]; None or 0 = off) keeps the tokens whose probability after temperature is at least min_p times
     the top token's, before top_k and top_p (vLLM's order). presence_penalty and frequency_penalty (in [-2, 2] as
-    OpenAI's API; None or 0 = off) subtract presence * (count > 0) + frequency * count from the logit of each token
-    the row has emitted in this request, count times (OpenAI's definition over the sampled tokens, as vLLM counts
-    output tokens only: the prompt is not counted). logit_bias: up to LOGIT_BIAS_SLOTS (64) token id -> bias
-    entries (a mapping or (id, bias) pairs; ids distinct ints >= 0, checked against the vocabulary by the request;
-    biases in [-100, 100]) added to the logits before everything else, greedy rows included (OpenAI's: -100 all
-    but bans a token); kept as (id, bias) pairs in id order. The bias, then repeat_penalty, then the presence and
-    frequency penalties apply to greedy and sampled rows alike (vLLM's and llama.cpp's order)."""
+    OpenAI's API; None or 0 = off) subtract presence * (count > 0) + frequency * count from each token's logit,
+    count being how often the row emitted it in this request (OpenAI's definition, over the sampled tokens; vLLM
+    likewise counts output tokens only: the prompt is not counted). logit_bias: up to LOGIT_BIAS_SLOTS (64) token
+    id -> bias entries (a mapping or (id, bias) pairs; ids distinct ints >= 0, checked against the vocabulary by the
+    request; biases in [-100, 100]) added to the logits before everything else, greedy rows included (OpenAI's: -100
+    all but bans a token); kept as (id, bias) pairs in id order, without the entries of bias 0. The bias, then
+    repeat_penalty, then the presence and frequency penalties apply to greedy and sampled rows alike (vLLM's and
+    llama.cpp's order)."""
 
     temperature: float = 0.0
     top_k: int | None = None
@@ -137,7 +138,7 @@ def _logit_bias(value: object) -> LogitBias:
         if tid in out:
             raise ValueError(f"logit_bias gives token id {tid} twice")
         out[tid] = float(b)
-    return tuple(sorted(out.items()))
+    return tuple(sorted((t, b) for t, b in out.items() if b != 0))  # a bias of 0 adds nothing: not kept
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 Every check runs before a request is queued, so a refused request changes nothing on the server. A refusal is
 an `APIError`: an HTTP status and OpenAI's error body, {"error": {"message", "type", "param", "code"}}.
-Extensions: `top_k`, `ignore_eos`, `repeat_penalty`. Fields the API defines and this server does not use
-(penalties, logit_bias, user, ...) are accepted and ignored, as llama.cpp's server does; those whose meaning it
+Extensions: `top_k`, `ignore_eos`, `repeat_penalty`; `min_p` as vLLM and llama.cpp take it. `logit_bias` (string token
+ids as OpenAI sends them), `presence_penalty` and `frequency_penalty` are OpenAI's. Fields the API defines and this
+server does not use (user, ...) are accepted and ignored, as llama.cpp's server does; those whose meaning it
 cannot honour (`n` > 1, several prompts) are refused.
 """
 
@@ -14,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from static_decode.generation.request import check_request
+from static_decode.generation.request import SamplingParams, check_request
 from static_decode.text.chat_template import ROLES, ChatTemplate
 
 
@@ -42,6 +43,10 @@ class Sampling:
     top_k: int | None = None
     seed: int | None = None
     repeat_penalty: float | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias) pairs
     max_tokens: int | None = None  # None: up to the cache's end
 
 
@@ -74,6 +79,10 @@ class Completion:
     include_usage: bool
     ignore_eos: bool = False  # extension (as in vLLM and llama.cpp): decode max_tokens whatever the model emits
     repeat_penalty: float | None = None  # extension (as in llama.cpp): divide seen tokens' positive logits by it
+    min_p: float | None = None  # extension (as in vLLM and llama.cpp): keep tokens with >= min_p x the top one's
+    presence_penalty: float | None = None  # OpenAI's, over the tokens emitted so far
+    frequency_penalty: float | None = None  # OpenAI's, per emission of a token
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # OpenAI's, as (token id, bias) pairs
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -88,10 +97,6 @@ UNHONOURED: dict[str, tuple[Any, ...]] = {
     "top_logprobs": (None, 0),
     "echo": (None, False),
     "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "min_p": (None, 0, 0.0),
     "typical_p": (None, 1, 1.0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -152,6 +157,30 @@ def _int(body: dict[str, Any], name: str, default: int | None, minimum: int) -> 
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise _bad(f"{name} must be an integer >= {minimum}, got {v!r}", name)
     return v
+
+
+def _logit_bias(body: dict[str, Any], ctx: Context) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's logit_bias, an object of token id (a string of digits, as JSON keys are) -> bias in [-100, 100], as
+    (id, bias) pairs; absent or null: the server's default."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ctx.defaults.logit_bias
+    if not isinstance(v, dict):
+        raise _bad(f"logit_bias must be an object of token id -> bias, got {json.dumps(v)[:80]}", "logit_bias")
+    pairs = []
+    for key, bias in v.items():
+        if not (key.isascii() and key.isdecimal()):
+            raise _bad(f"logit_bias keys must be token ids (strings of digits), got {key!r}", "logit_bias")
+        if not 0 <= int(key) < ctx.vocab_size:
+            raise _bad(f"logit_bias names token id {key}; token ids are 0..{ctx.vocab_size - 1}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise _bad(f"logit_bias[{key!r}] must be a number in [-100, 100], got {json.dumps(bias)[:80]}",
+                       "logit_bias")
+        pairs.append((int(key), bias))
+    try:
+        return SamplingParams(logit_bias=pairs).logit_bias  # ranges, count, repeated ids ("7" and "07")
+    except (ValueError, TypeError) as e:
+        raise _bad(str(e), "logit_bias") from e
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -246,6 +275,16 @@ def parse(raw: bytes, ctx: Context, *, chat: bool) -> Completion:
     top_k = _int(body, "top_k", d.top_k, 0) or None  # 0: off, as in llama.cpp
     seed = _int(body, "seed", d.seed, 0)
     repeat_penalty = _number(body, "repeat_penalty", d.repeat_penalty, 0.0, 10.0)
+    min_p = _number(body, "min_p", d.min_p, 0.0, 1.0)
+    presence_penalty = _number(body, "presence_penalty", d.presence_penalty, -2.0, 2.0)
+    frequency_penalty = _number(body, "frequency_penalty", d.frequency_penalty, -2.0, 2.0)
+    logit_bias = _logit_bias(body, ctx)
+    samplers = {"min_p": min_p, "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+                "logit_bias": logit_bias}
+    for field_name, value in samplers.items():
+        if ctx.draft_slots and value:  # the generator refuses these with speculation
+            raise _bad(f"{field_name} is not supported by this server, which decodes speculatively (--speculate); "
+                       f"leave it out or set it to its neutral value", field_name)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, None, 1)
     stop = _stop(body)
@@ -264,12 +303,12 @@ def parse(raw: bytes, ctx: Context, *, chat: bool) -> Completion:
         raise _bad(f"the prompt ({len(ids)} tokens) + {name} ({max_tokens}){drafts} = "
                    f"{len(ids) + max_tokens + ctx.draft_slots} exceeds the server's --max-len {ctx.max_len}", name)
     try:  # the generator's own checks (sampling values it refuses), without touching it
-        check_request(ids, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        check_request(ids, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **samplers,
                       repeat_penalty=repeat_penalty, vocab_size=ctx.vocab_size, max_len=ctx.max_len, max_batch=1,
                       draft_slots=ctx.draft_slots)
     except (ValueError, TypeError) as e:
         raise _bad(str(e)) from e
     return Completion(chat=chat, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                       top_k=top_k, seed=seed, stop=stop, stream=stream,
-                      include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos,
+                      include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos, **samplers,
                       repeat_penalty=repeat_penalty)

@@ -30,6 +30,7 @@ from static_decode.commands.args import (
     check_device,
     speculation,
 )
+from static_decode.commands.samplers import add_sampler_arguments, check_sampler_flags, sampler_options
 from static_decode.generation.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
 from static_decode.generation.request import SamplingParams
 
@@ -54,8 +55,7 @@ def _check_args(args: argparse.Namespace) -> None:
         except (ValueError, TypeError) as e:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: {e}") from None
     speculating = getattr(args, "speculate", None) is not None or getattr(args, "draft_model", None) is not None
-    if speculating and args.repeat_penalty not in (None, 1.0):
-        raise ValueError(f"--repeat-penalty {args.repeat_penalty} is not supported with --speculate")
+    check_sampler_flags(args, speculating)  # --min-p, the penalties, --logit-bias (and --repeat-penalty speculating)
 
 
 def build(args: argparse.Namespace):  # -> tuple[Served, Generator]
@@ -80,6 +80,7 @@ def build(args: argparse.Namespace):  # -> tuple[Served, Generator]
     template = load_chat_template(path)  # None: /v1/chat/completions refuses, /v1/completions works
     apply_threads(args)
     model = load_model(path, dtype=args.dtype, device=device, quantize=args.quantize)
+    check_sampler_flags(args, False, model.config.vocab_size)  # --logit-bias ids in this vocabulary
     model.kv_dtype = args.kv_dtype
     max_len = args.max_len or min(DEFAULT_MAX_LEN, model.config.max_position_embeddings)
     spec = speculation(args, model)
@@ -97,7 +98,7 @@ def build(args: argparse.Namespace):  # -> tuple[Served, Generator]
     else:  # the first request's one-time costs (kernels' first calls, allocator) paid here
         gen.generate([0], 2, stop_at_eos=False)
     defaults = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                        repeat_penalty=args.repeat_penalty, max_tokens=args.max_tokens)
+                        repeat_penalty=args.repeat_penalty, max_tokens=args.max_tokens, **sampler_options(args))
     ctx = Context(model_name=args.model_name or path.resolve().name, tokenizer=tokenizer, template=template,
                   vocab_size=model.config.vocab_size, max_len=max_len, draft_slots=gen.draft_slots,
                   defaults=defaults)
@@ -171,6 +172,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None, help="default top_p")
     p.add_argument("--seed", type=int, default=None, help="default sampling seed")
     p.add_argument("--repeat-penalty", type=float, default=None, help="default repeat_penalty (1 = off)")
+    add_sampler_arguments(p, default="default ")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="compile the steps")
     p.add_argument("--capture-kinds", default="all", choices=("all", "greedy", "sampled"),
                    help="with --compile: capture the steps of greedy requests, sampled ones or both before listening "

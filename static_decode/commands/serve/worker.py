@@ -146,7 +146,9 @@ class Worker:
         try:
             reuse, pieces = self.prefix.stream(r.prompt_ids, r.max_tokens, temperature=r.temperature, top_k=r.top_k,
                                                top_p=r.top_p, seed=r.seed, stop_at_eos=not r.ignore_eos,
-                                               repeat_penalty=r.repeat_penalty)
+                                               repeat_penalty=r.repeat_penalty, min_p=r.min_p,
+                                               presence_penalty=r.presence_penalty,
+                                               frequency_penalty=r.frequency_penalty, logit_bias=r.logit_bias)
         except (ValueError, TypeError) as e:  # checked on the HTTP side already; the generator has the last word
             job.post("error", APIError(400, str(e)))
             return
