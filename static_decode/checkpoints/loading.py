@@ -23,12 +23,17 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from static_decode.checkpoints import quant_io
+from static_decode.checkpoints.gguf import gguf_config, is_gguf, load_gguf, open_gguf
+from static_decode.checkpoints.gguf_vocab import gguf_chat_template, gguf_tokenizer
 from static_decode.checkpoints.hugepages import to_huge_pages
+from static_decode.checkpoints.sources import resolve_model
 from static_decode.model.config import LlamaConfig, eos_ids
 from static_decode.model.joining import join_projections
 from static_decode.model.llama import Llama, hf_name
 from static_decode.model.parallel import SINGLE, TensorParallel, shard_dim
 from static_decode.model.quant import Scheme, parse, quantize_model
+from static_decode.text import chat_template
+from static_decode.text.chat_template import ChatTemplate
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -72,8 +77,11 @@ def _read_json(path: Path) -> dict:
 
 
 def load_config(path: str | Path) -> LlamaConfig:
-    """The model config of a checkpoint directory, EOS ids from generation_config.json when it has them."""
-    root = Path(path)
+    """The model config of a checkpoint directory (EOS ids from generation_config.json when it has them), of a GGUF
+    file (its metadata) or of a Hub id (static_decode.checkpoints.sources)."""
+    root = resolve_model(path)
+    if is_gguf(root):
+        return gguf_config(open_gguf(root), root)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {root}")
     hf = _read_json(root / "config.json")
@@ -133,7 +141,8 @@ def load_model(
     fused_projections: bool = True,
     quantize: str | Scheme | None = None,
 ) -> Llama:
-    """Load a Llama-family checkpoint written by transformers' save_pretrained.
+    """Load a Llama-family checkpoint: a directory written by transformers' save_pretrained, a GGUF file
+    (static_decode.checkpoints.gguf) or a Hub id resolved in the local Hub cache (static_decode.checkpoints.sources).
 
     dtype defaults to the checkpoint's (that of its embedding); device defaults to the CPU. EOS ids land in
     `model.config.eos_token_ids`. With `tp`, the model is this rank's shard (see static_decode.model.parallel) and
@@ -145,12 +154,13 @@ def load_model(
     on an unsupported architecture or rope type, a missing, unexpected or mis-shaped tensor, or a tensor-parallel
     world size that does not fit the model.
     """
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {root} does not exist")
-    config = load_config(root)
+    root = resolve_model(path)
     if not isinstance(tp, TensorParallel):
         raise TypeError(f"tp must be a static_decode.model.parallel.TensorParallel, got {type(tp).__name__}")
+    if is_gguf(root):
+        return load_gguf(root, dtype=parse_dtype(dtype), device=device, tp=tp, fused_projections=fused_projections,
+                         quantize=parse(quantize))
+    config = load_config(root)
     tp.check(config)  # before any tensor is read
     # a checkpoint saved quantized (static_decode.checkpoints.quant_io); None: float
     stored = quant_io.stored_quantization(root)
@@ -229,11 +239,15 @@ def _read(f, key: str, dim: int | None, shape: tuple[int, ...], tp: TensorParall
 
 
 def load_tokenizer(path: str | Path):  # -> tokenizers.Tokenizer | None
-    """The `tokenizers` Tokenizer of a checkpoint directory, or None when it has no tokenizer.json.
+    """The `tokenizers` Tokenizer of a checkpoint directory (None when it has no tokenizer.json), of a GGUF file (from
+    its metadata: static_decode.checkpoints.gguf_vocab) or of a Hub id.
 
     A tokenizer.json that `tokenizers` cannot parse raises ValueError naming the file and the reason.
     """
-    file = Path(path) / "tokenizer.json"
+    root = resolve_model(path)
+    if is_gguf(root):
+        return gguf_tokenizer(root)
+    file = root / "tokenizer.json"
     if not file.is_file():
         return None
     from tokenizers import Tokenizer
@@ -242,3 +256,10 @@ def load_tokenizer(path: str | Path):  # -> tokenizers.Tokenizer | None
         return Tokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception for bad JSON or an unknown model layout
         raise ValueError(f"{file} is not a valid tokenizer file: {_reason(e)}") from e
+
+
+def load_chat_template(path: str | Path) -> ChatTemplate | None:
+    """The chat template of a checkpoint directory (static_decode.text.chat_template), of a GGUF file (its
+    `tokenizer.chat_template`) or of a Hub id; None when it has none."""
+    root = resolve_model(path)
+    return gguf_chat_template(root) if is_gguf(root) else chat_template.load_chat_template(root)

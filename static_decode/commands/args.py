@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from capture.settings import CaptureOptions
+from static_decode.checkpoints.gguf import is_gguf
 from static_decode.checkpoints.loading import load_model
+from static_decode.checkpoints.sources import FORMS, resolve_model
 from static_decode.model.llama import Llama
 from static_decode.steps.functions import GREEDY_KINDS, SAMPLED_KINDS
 from static_decode.steps.speculation import DEFAULT_NGRAM, DEFAULT_TOKENS, DraftModel, PromptLookup, Speculation
@@ -72,16 +74,19 @@ def apply_threads(args: argparse.Namespace) -> int:
 
 
 def check_checkpoint(path: Path, what: str = "--model") -> Path:
-    """`path` if it is a checkpoint directory (it holds config.json), else a FileNotFoundError naming what is
-    missing: the directory itself, or its config.json."""
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}: no such directory ({what})")
-    if not path.is_dir():
-        raise FileNotFoundError(f"no checkpoint at {path}: not a directory ({what} takes a checkpoint directory)")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in {path} ({what}: a checkpoint directory holds config.json and "
+    """The checkpoint `path` names (static_decode.checkpoints.sources): a checkpoint directory (it holds
+    config.json), a .gguf file, or a Hub id (org/name[@revision]) found in the local Hub cache; else an error naming
+    what is missing: the directory, its config.json, the file, or the Hub model (and how to fetch it)."""
+    if path.is_file() and not is_gguf(path):
+        raise FileNotFoundError(f"no checkpoint at {path}: a file, not a .gguf file ({what} takes {FORMS})")
+    try:
+        resolved = resolve_model(path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e} ({what})") from None
+    if resolved.is_dir() and not (resolved / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {resolved} ({what}: a checkpoint directory holds config.json and "
                                 "the weights)")
-    return path
+    return resolved
 
 
 def check_output(flag: str, path: Path | None) -> None:

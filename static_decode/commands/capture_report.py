@@ -121,7 +121,8 @@ def run_capture_report(args: Any) -> int:
 def add_parser(subparsers: Any) -> None:
     """Register `capture-report` with the static-decode CLI (static_decode/commands/cli.py's COMMAND_MODULES)."""
     p = subparsers.add_parser("capture-report", help="compile every (kind, bucket) and report graphs, breaks, skips")
-    p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: embedded model)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint dir, .gguf file or Hub id org/name[@revision] (default: embedded model)")
     p.add_argument("--max-len", type=int, default=4096, help="cache capacity (the ladder's last bucket)")
     p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
                    help=f"prompt slots per prefill step (default {DEFAULT_CHUNK_SIZE}, the generator's)")

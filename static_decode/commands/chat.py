@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from static_decode.checkpoints.loading import default_model_path, load_model, load_tokenizer
+from static_decode.checkpoints.loading import default_model_path, load_chat_template, load_model, load_tokenizer
 from static_decode.commands.args import (
     add_quantize_argument,
     add_speculation_arguments,
@@ -36,7 +36,7 @@ from static_decode.commands.samplers import add_sampler_arguments, check_sampler
 from static_decode.commands.streaming import write_stream
 from static_decode.generation.conversation import Conversation
 from static_decode.generation.generator import DEFAULT_CHUNK_SIZE, Generator
-from static_decode.text.chat_template import ChatTemplate, load_chat_template
+from static_decode.text.chat_template import ChatTemplate
 
 DEFAULT_MAX_LEN = 4096  # cache positions for the whole conversation (capped by the model's own limit)
 
@@ -191,7 +191,8 @@ def run_chat(args: argparse.Namespace) -> int:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `chat` with the static-decode CLI (static_decode/commands/cli.py's COMMAND_MODULES)."""
     p = subparsers.add_parser("chat", help="an interactive multi-turn chat (the conversation stays in the cache)")
-    p.add_argument("--model", type=Path, default=None, help="checkpoint dir with tokenizer.json and a chat template")
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint dir, .gguf file or Hub id org/name[@rev], with a tokenizer and a chat template")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per reply")
     p.add_argument("--max-len", type=int, default=None, help=f"cache positions for the conversation "
                    f"(default: {DEFAULT_MAX_LEN}, or the model's limit if smaller)")

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from static_decode.checkpoints.loading import default_model_path, load_model, load_tokenizer
+from static_decode.checkpoints.loading import default_model_path, load_chat_template, load_model, load_tokenizer
 from static_decode.commands.args import (
     add_quantize_argument,
     add_speculation_arguments,
@@ -28,7 +28,6 @@ from static_decode.commands.samplers import add_sampler_arguments, check_sampler
 from static_decode.commands.streaming import write_stream
 from static_decode.generation.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
 from static_decode.generation.stats import GenerationStats
-from static_decode.text.chat_template import load_chat_template
 
 DEMO_PROMPT = "def "
 # What `demo` says first: its output is not meant to answer anything.
@@ -39,7 +38,8 @@ DEMO_NOTE = ("demo: the embedded model is a toy byte-level model trained on Pyth
 def add_generation_arguments(p: argparse.ArgumentParser, *, demo: bool = False) -> None:
     """The options shared by `generate` and `demo` (demo has its own defaults and no --model)."""
     if not demo:
-        p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: embedded model)")
+        p.add_argument("--model", type=Path, default=None,
+                       help="checkpoint dir, .gguf file or Hub id org/name[@revision] (default: embedded model)")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=DEMO_PROMPT if demo else None, help="text (needs tokenizer.json)")
     prompt.add_argument("--prompt-ids", type=int_list, default=None, help="prompt token ids, e.g. 1,2,3")
@@ -141,7 +141,7 @@ def run_generate(args: argparse.Namespace) -> int:
         path = default_model_path()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"no config.json in {path} (the embedded default model is not built yet)")
-    check_checkpoint(path)
+    path = check_checkpoint(path)
     demo = getattr(args, "command", None) == "demo"
     if demo:
         print(DEMO_NOTE, file=sys.stderr)

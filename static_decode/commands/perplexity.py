@@ -110,7 +110,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("perplexity", help="perplexity of a text through the chunked prefill",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: embedded model)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint dir, .gguf file or Hub id org/name[@revision] (default: embedded model)")
     p.add_argument("--quantize", default=None, choices=CHOICES, help="weight-only quantization of the projections")
     p.add_argument("--text", type=Path, default=None, help="a UTF-8 text file (default: the shipped essay)")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="score the first N tokens of the text")

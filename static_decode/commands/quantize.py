@@ -10,6 +10,7 @@ import argparse
 import time
 from pathlib import Path
 
+from static_decode.checkpoints.gguf import is_gguf
 from static_decode.checkpoints.loading import default_model_path, load_model
 from static_decode.checkpoints.quant_io import WEIGHT_SUFFIXES, WEIGHTS_FILE, save_quantized, stored_quantization
 from static_decode.commands.args import add_threads_argument, apply_threads, check_checkpoint
@@ -21,7 +22,10 @@ MB = 1e6
 def run(args: argparse.Namespace) -> int:
     apply_threads(args)
     path = args.model if args.model is not None else default_model_path()
-    check_checkpoint(path)
+    path = check_checkpoint(path)
+    if is_gguf(path):  # a quantized checkpoint keeps the float checkpoint's config.json and tokenizer files
+        raise ValueError(f"quantize saves a checkpoint directory beside a float one; {path} is a GGUF file: load it "
+                         "with --quantize int8 / int4 instead, or quantize its save_pretrained directory")
     stored = stored_quantization(path)
     if stored is not None:  # before anything is loaded
         raise ValueError(f"{path} is quantized already ({stored.scheme.name}); quantize its float checkpoint")
@@ -49,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("quantize", help="quantize a checkpoint once and save it",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=None, help="float checkpoint dir (default: embedded model)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="float checkpoint dir or Hub id org/name[@revision] (default: embedded model)")
     p.add_argument("--quantize", required=True, choices=CHOICES,
                    help="int8 (per output channel) or int4 (groups of 32; int4-g64 / int4-g128)")
     p.add_argument("--out", type=Path, required=True, help="the new checkpoint dir (must not exist, or be empty)")

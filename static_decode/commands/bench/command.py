@@ -21,7 +21,8 @@ from static_decode.model.quant import CHOICES
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = BenchConfig()
-    p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: embedded model)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint dir, .gguf file or Hub id org/name[@revision] (default: embedded model)")
     p.add_argument("--gguf", action="append", default=None, metavar="[NAME=]PATH[,...]",
                    help="GGUFs of the same weights, one llama.cpp system each, named NAME or after the file's quant "
                    "type ('llama.cpp Q8_0'); comma-separated and/or repeated (llama.cpp is skipped without one)")

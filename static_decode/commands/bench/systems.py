@@ -26,6 +26,7 @@ import torch
 
 from capture.buckets import BucketLadder
 from capture.settings import CaptureOptions
+from static_decode.checkpoints.gguf import is_gguf
 from static_decode.checkpoints.quant_io import stored_quantization
 from static_decode.commands.bench import baselines
 from static_decode.commands.bench.peer import PeerFailed, PeerProcess, has_amx
@@ -259,6 +260,8 @@ def build(
     if name == "transformers":
         if importlib.util.find_spec("transformers") is None:
             return None, "skipped: transformers is not installed (pip install 'static-decode[bench]')"
+        if is_gguf(path):
+            return None, f"skipped: {path} is a GGUF file; transformers reads a save_pretrained directory"
         if (path / "config.json").is_file() and stored_quantization(path) is not None:
             return None, f"skipped: {path} is a quantized checkpoint; transformers reads float weights"
         return TransformersSystem(path, model.dtype, model.device, max_len, transformers_compile), ""

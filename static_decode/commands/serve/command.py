@@ -21,12 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-from static_decode.checkpoints.loading import default_model_path, load_model, load_tokenizer
+from static_decode.checkpoints.loading import default_model_path, load_chat_template, load_model, load_tokenizer
 from static_decode.commands.args import (
     add_quantize_argument,
     add_speculation_arguments,
     add_threads_argument,
     apply_threads,
+    check_checkpoint,
     check_device,
     speculation,
 )
@@ -68,12 +69,9 @@ def build(args: argparse.Namespace):  # -> tuple[Served, Generator]
     from static_decode.generation.prefix_cache import PrefixCache
     from static_decode.steps.functions import GREEDY_KINDS, SAMPLED_KINDS
     from static_decode.steps.verify import speculative_kinds
-    from static_decode.text.chat_template import load_chat_template
 
     device = check_device(args.device)
-    path = args.model or default_model_path()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
+    path = check_checkpoint(args.model or default_model_path())
     tokenizer = load_tokenizer(path)
     if tokenizer is None:
         raise ValueError(f"serve needs a tokenizer.json in {path}")
@@ -152,7 +150,8 @@ def run_serve(args: argparse.Namespace) -> int:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `serve` with the static-decode CLI (static_decode/commands/cli.py's COMMAND_MODULES)."""
     p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (single-stream decode, prefix reuse)")
-    p.add_argument("--model", type=Path, default=None, help="checkpoint dir with tokenizer.json (default: embedded)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint dir, .gguf file or Hub id org/name[@rev], with a tokenizer (default: embedded)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")

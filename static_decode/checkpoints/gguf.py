@@ -1,0 +1,353 @@
+"""Load a GGUF file (llama.cpp's format) into the project's model: hyperparameters from its metadata, its tensors.
+
+The file is read with the `gguf` package's GGUFReader (a memory map). What is read:
+
+* the architecture (`general.architecture`): "llama" (llama.cpp writes Llama and Mistral checkpoints as it),
+  "qwen2", "qwen3"; any other is refused naming the key and the file. The hyperparameters from `<arch>.*`: width,
+  layers, heads, KV heads, head width (`attention.key_length`), MLP width, RMSNorm epsilon, rope base, context
+  length. Rope scaling other than none, per-frequency rope factors (`rope_freqs.weight`, Llama 3.1 style) and a
+  partial rotary dimension are refused naming the key.
+* the tensors, by gguf's own name table (`gguf.TensorNameMap`: `blk.N.attn_q` is `model.layers.N.self_attn.q_proj`
+  ...), each name and shape checked against the config before any data is read. F32 / F16 / BF16 tensors are
+  taken into the model's dtype. Q4_0 projections become our int4 with groups of 32 (static_decode.model.quant):
+  a Q4_0 block is a float16 scale d and 32 codes q with w = (q - 8) * d, which is int4-g32's w = (q - 8) * s + z
+  with s = d and z = 0, exactly when the model is float32 (a float16 scale is exact in float32, not in bfloat16).
+  Every other quantized type, Q8_0 included (a scale per 32 weights, where our int8 has one per row), is
+  dequantized by gguf (`gguf.quants.dequantize`) into the model's dtype; one line on stderr says which went where.
+* llama.cpp's converter permutes the rows of Llama's q and k projections (weights and biases) for its rotary
+  layout (interleaved pairs instead of halves); that permutation is undone exactly (rows moved, Q4_0 blocks whole).
+
+The tokenizer, chat template and special ids: static_decode.checkpoints.gguf_vocab.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from static_decode.checkpoints.hugepages import to_huge_pages
+from static_decode.model.config import LlamaConfig, RopeConfig
+from static_decode.model.joining import join_projections
+from static_decode.model.llama import Llama, hf_name
+from static_decode.model.parallel import SINGLE, TensorParallel, shard_dim
+from static_decode.model.quant import INT4_CHUNK, QuantLinear, QuantWeight, Scheme, pack_int4, quantize_model
+
+SUFFIX = ".gguf"
+# general.architecture -> the transformers architecture whose switches it runs with (static_decode.model.config)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+INT4_EXACT = Scheme(4, 32)  # what a Q4_0 block is, exactly, in a float32 model
+Q4_0_BLOCK = 18  # bytes of a Q4_0 block: a float16 scale, then 16 bytes of 32 codes
+EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def is_gguf(path: str | Path) -> bool:
+    """True when `path` names a GGUF file (its suffix; the magic is checked when it is read)."""
+    return str(path).lower().endswith(SUFFIX)
+
+
+def open_gguf(path: str | Path) -> Any:
+    """The file's gguf.GGUFReader; a missing, truncated or foreign file is refused in one line naming it."""
+    from gguf import GGUFReader
+
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"GGUF file {file} does not exist")
+    try:
+        return GGUFReader(file)
+    except Exception as e:  # the reader raises ValueError, IndexError or struct errors on a damaged file
+        lines = str(e).strip().splitlines()
+        raise ValueError(f"{file} is not a readable GGUF file: {lines[0] if lines else type(e).__name__}") from e
+
+
+def field(reader: Any, key: str, file: Path, default: Any = ...) -> Any:
+    """Metadata value `key` (a Python scalar, string or list); absent: `default`, or an error naming key and file."""
+    f = reader.fields.get(key)
+    if f is None:
+        if default is ...:
+            raise ValueError(f"{file} lacks GGUF metadata key {key!r}")
+        return default
+    return f.contents()
+
+
+def _float(value: float) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-06, not 9.999999974752427e-07)."""
+    return float(str(np.float32(value)))
+
+
+def eos_ids(reader: Any) -> tuple[int, ...]:
+    """The ids that end a sequence: EOS, end-of-turn and end-of-message, where the file gives them."""
+    out: list[int] = []
+    for key in EOG_KEYS:
+        f = reader.fields.get(key)
+        if f is not None and int(f.contents()) not in out:
+            out.append(int(f.contents()))
+    return tuple(out)
+
+
+def architecture(reader: Any, file: Path) -> str:
+    arch = field(reader, "general.architecture", file)
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{file}: GGUF key 'general.architecture' is {arch!r}; static-decode loads "
+                         f"{', '.join(ARCHITECTURES)}")
+    return arch
+
+
+def gguf_config(reader: Any, file: Path) -> LlamaConfig:
+    """The model config the file's metadata and tensor names describe (EOS ids included); errors name the GGUF key
+    and the file."""
+    arch = architecture(reader, file)
+    names = {t.name for t in reader.tensors}
+
+    def key(name: str, default: Any = ...) -> Any:
+        return field(reader, f"{arch}.{name}", file, default)
+
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    head_dim = key("attention.key_length", hidden // heads)
+    if key("attention.value_length", head_dim) != head_dim:
+        raise ValueError(f"{file}: GGUF key '{arch}.attention.value_length' {key('attention.value_length')} differs "
+                         f"from the key length {head_dim}; static-decode's heads have one width")
+    if key("rope.dimension_count", head_dim) != head_dim:
+        raise ValueError(f"{file}: GGUF key '{arch}.rope.dimension_count' is {key('rope.dimension_count')}, a "
+                         f"partial rotary embedding over a head of {head_dim}; only full rotation is supported")
+    scaling = key("rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"{file}: GGUF key '{arch}.rope.scaling.type' is {scaling!r}; only 'none' is supported")
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"{file} holds rope_freqs.weight (per-frequency rope factors, Llama 3.1 style), which "
+                         "static-decode does not read from GGUF; load the save_pretrained checkpoint instead")
+    vocab = key("vocab_size", None) or len(field(reader, "tokenizer.ggml.tokens", file))
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"),
+        num_layers=key("block_count"),
+        num_heads=heads,
+        num_kv_heads=key("attention.head_count_kv", heads),
+        head_dim=head_dim,
+        rms_norm_eps=_float(key("attention.layer_norm_rms_epsilon")),
+        rope=RopeConfig(theta=_float(key("rope.freq_base", 10000.0))),
+        max_position_embeddings=key("context_length", 2048),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_gate.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        sliding_window=key("attention.sliding_window", None),
+        architecture=ARCHITECTURES[arch],
+        eos_token_ids=eos_ids(reader),
+    )
+
+
+def gguf_names(arch: str, config: LlamaConfig, meta: Llama, file: Path) -> dict[str, str]:
+    """Our parameter name -> the GGUF tensor name holding it (gguf's own name table)."""
+    import gguf
+
+    table = gguf.TensorNameMap(gguf.MODEL_ARCH[arch.upper()], config.num_layers)
+    out = {}
+    for name, _ in meta.named_parameters():
+        base, _, suffix = hf_name(name).rpartition(".")
+        mapped = table.get_name(base)
+        if mapped is None:  # a bug in the table or the model, not the file
+            raise RuntimeError(f"gguf has no tensor name for {hf_name(name)} ({arch})")
+        out[name] = f"{mapped}.{suffix}"
+    return out
+
+
+@dataclass
+class _Plan:
+    """How each GGUF tensor is taken: as int4 codes (exact), or as floats; with the reasons said on stderr."""
+
+    int4: set[str]
+    dequantized: dict[str, set[str]]  # GGUF type -> why its tensors are dequantized
+
+
+def _unpermute(x: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary permutation of q / k rows (convert_hf_to_gguf's LlamaModel.permute): rows [N, ...]
+    stored as (head, pair, half) back to (head, half, pair)."""
+    n = x.shape[0]
+    return x.reshape(heads, n // heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def _q4_0_int4(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 blocks [N, K / 32 * 18] -> (packed codes uint8 [N, K / 2], scales [N, K / 32, 2] float32): a block's
+    byte j holds code j (low nibble) and j + 16 (high); w = (q - 8) * d, our (s, z) = (d, 0)."""
+    blocks = np.ascontiguousarray(raw).reshape(n, k // 32, Q4_0_BLOCK)  # [N, G, 18]
+    d = blocks[:, :, :2].copy().view(np.float16).astype(np.float32)  # [N, G, 1]
+    qs = blocks[:, :, 2:]  # [N, G, 16]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k)  # [N, K]
+    scales = np.concatenate([d, np.zeros_like(d)], axis=-1)  # [N, G, 2]: (s, z)
+    return pack_int4(torch.from_numpy(codes)), torch.from_numpy(scales)
+
+
+def _floats(t: Any) -> torch.Tensor:
+    """A tensor's values: F32 / F16 / BF16 as stored, any quantized type dequantized by gguf to float32."""
+    from gguf.quants import dequantize
+
+    kind = t.tensor_type.name
+    if kind in ("F32", "F16"):
+        return torch.from_numpy(np.array(t.data))
+    if kind == "BF16":
+        return torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(dequantize(t.data, t.tensor_type))
+
+
+def load_gguf(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    tp: TensorParallel = SINGLE,
+    fused_projections: bool = True,
+    quantize: Scheme | None = None,
+) -> Llama:
+    """The model of a GGUF file (see the module docstring). `dtype` defaults to the embedding's float type (float32
+    for a quantized one); `quantize`: every tensor dequantized, then quantized by our scheme. Raises, naming the
+    key or tensor and the file, before any tensor data is read."""
+    file = Path(path)
+    reader = open_gguf(file)
+    arch = architecture(reader, file)
+    config = gguf_config(reader, file)
+    tp.check(config)
+    device = torch.device(device if device is not None else "cpu")
+    tensors = {t.name: t for t in reader.tensors}
+    meta = Llama(config, dtype=torch.float32, device="meta", fused_projections=False)
+    names = gguf_names(arch, config, meta, file)
+    wanted = {names[n]: tuple(p.shape) for n, p in meta.named_parameters()}
+    missing = [g for g in wanted if g not in tensors]
+    if missing:
+        raise KeyError(f"GGUF file {file} lacks tensor(s): {', '.join(missing)}")
+    unexpected = [g for g in tensors if g not in wanted]
+    if unexpected:
+        raise KeyError(f"GGUF file {file} has tensor(s) the model does not describe: {', '.join(unexpected)}")
+    for g, shape in wanted.items():
+        stored = tuple(int(x) for x in reversed(tensors[g].shape))  # GGUF lists dimensions innermost first
+        if stored != shape:
+            raise ValueError(f"tensor {g!r} in {file.name} has shape {stored}, the metadata needs {shape}")
+    if dtype is None:
+        dtype = FLOAT_TYPES.get(tensors["token_embd.weight"].tensor_type.name, torch.float32)
+    plan = _plan(model_linears(meta, fused_projections), names, tensors, dtype, tp, quantize)
+
+    heads = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
+    model = Llama(config, dtype=dtype, device="meta", tp=tp, fused_projections=fused_projections)
+    codes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name, g in names.items():
+        t = tensors[g]
+        permuted = next((h for part, h in heads.items() if arch == "llama" and f".{part}." in f".{name}"), None)
+        if g in plan.int4:
+            raw = t.data if permuted is None else _unpermute(np.asarray(t.data), permuted)
+            codes[name] = tuple(x.to(device) for x in _q4_0_int4(raw, *wanted[g]))
+            continue
+        value = _floats(t)
+        if permuted is not None:
+            value = torch.from_numpy(_unpermute(value.float().numpy(), permuted)).to(value.dtype)
+        state[name] = _slice(value, shard_dim(name), tp).to(device=device, dtype=dtype)
+    for name, module in list(model.named_modules()):
+        prefix = f"{name}." if name else ""
+        joined = getattr(module, "joined", None) or {}
+        for child, linear in list(module.named_children()):
+            parts = [prefix + p for p in (joined[child][0] if child in joined else (child,))]
+            if isinstance(linear, nn.Linear) and f"{parts[0]}.weight" in codes:
+                setattr(module, child, _int4_linear(codes, state, parts, linear.in_features))
+    join_projections(model, state)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.reset_rope()
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left or codes:
+        raise RuntimeError(f"GGUF load left {left} unset and {sorted(codes)} unused")  # a bug, not the file
+    if plan.int4:
+        model.quantization = INT4_EXACT
+    _say(file, plan, dtype, quantize)
+    if quantize is not None:
+        quantize_model(model, quantize)
+    to_huge_pages(model)
+    return model.eval().requires_grad_(False)
+
+
+def model_linears(meta: Llama, fused_projections: bool) -> list[tuple[str, ...]]:
+    """Our projections' weights (names of the checkpoint layout) grouped as the model joins them: q/k/v and
+    gate/up one group each when fused (one format per joined weight), the rest alone; the LM head of an untied
+    model among them."""
+    groups = []
+    for name, module in meta.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        groups.append(f"{name}.weight")
+    if not fused_projections:
+        return [(g,) for g in groups]
+    out: dict[str, list[str]] = {}
+    for g in groups:
+        head = g.replace(".k_proj.", ".q_proj.").replace(".v_proj.", ".q_proj.").replace(".up_proj.", ".gate_proj.")
+        out.setdefault(head, []).append(g)
+    return [tuple(v) for v in out.values()]
+
+
+def _plan(groups: list[tuple[str, ...]], names: dict[str, str], tensors: dict[str, Any], dtype: torch.dtype,
+          tp: TensorParallel, quantize: Scheme | None) -> _Plan:
+    """Which Q4_0 projections map exactly onto int4-g32 (a whole joined group or none of it), and why the other
+    quantized tensors are dequantized."""
+    plan = _Plan(set(), {})
+    for group in groups:
+        kinds = {tensors[names[w]].tensor_type.name for w in group}
+        if "Q4_0" not in kinds:
+            continue
+        k = int(tensors[names[group[0]]].shape[0])
+        why = ("quantize= asks for our own scheme" if quantize is not None
+               else "tensor parallelism slices float weights" if tp.enabled
+               else f"its float16 scales are not exact in {str(dtype).removeprefix('torch.')}"
+               if dtype != torch.float32
+               else f"{k} inputs are not a multiple of int4's {INT4_CHUNK}-column chunks" if k % INT4_CHUNK
+               else "a joined projection whose parts are of several types" if kinds != {"Q4_0"}
+               else None)
+        if why is None:
+            plan.int4.update(names[w] for w in group)
+        else:
+            plan.dequantized.setdefault("Q4_0", set()).add(why)
+    for t in tensors.values():
+        kind = t.tensor_type.name
+        if kind in FLOAT_TYPES or t.name in plan.int4:
+            continue
+        why = ("the embedding stays float for its row lookups" if t.name == "token_embd.weight"
+               else "a scale per 32 weights, where int8 keeps one per row" if kind == "Q8_0"
+               else None if kind == "Q4_0"
+               else "no static-decode layout holds it exactly")
+        if why is not None:
+            plan.dequantized.setdefault(kind, set()).add(why)
+    return plan
+
+
+def _say(file: Path, plan: _Plan, dtype: torch.dtype, quantize: Scheme | None) -> None:
+    """One line on stderr: which quantized tensors became int4 and which were dequantized, and why."""
+    if not plan.int4 and not plan.dequantized:
+        return
+    parts = [f"{len(plan.int4)} Q4_0 tensor(s) as int4-g32 (exact)"] if plan.int4 else []
+    parts += [f"{kind} dequantized to {str(dtype).removeprefix('torch.')} ({'; '.join(sorted(why))})"
+              for kind, why in plan.dequantized.items()]
+    tail = f"; then quantized as {quantize.name}" if quantize is not None else ""
+    print(f"{file.name}: {'; '.join(parts)}{tail}", file=sys.stderr)
+
+
+def _slice(value: torch.Tensor, dim: int | None, tp: TensorParallel) -> torch.Tensor:
+    """This rank's slice of a whole tensor along `dim` (the whole tensor outside tensor parallelism)."""
+    if dim is None or not tp.enabled:
+        return value
+    start, stop = tp.span(value.shape[dim])
+    return value.narrow(dim, start, stop - start).contiguous()
+
+
+def _int4_linear(codes: dict[str, tuple[torch.Tensor, torch.Tensor]], state: dict[str, torch.Tensor],
+                 parts: list[str], in_features: int) -> QuantLinear:
+    """A QuantLinear over the int4 codes and scales of `parts` (stacked by rows when joined), its bias float."""
+    pieces = [codes.pop(f"{p}.weight") for p in parts]
+    qweight = torch.cat([q for q, _ in pieces]) if len(pieces) > 1 else pieces[0][0]  # [N, K / 2]
+    scales = torch.cat([s for _, s in pieces]) if len(pieces) > 1 else pieces[0][1]  # [N, K / 32, 2]
+    biases = [state.pop(f"{p}.bias") for p in parts if f"{p}.bias" in state]
+    bias = (torch.cat(biases) if len(biases) > 1 else biases[0]) if biases else None
+    return QuantLinear.from_stored(QuantWeight.from_stored(qweight, scales, INT4_EXACT, in_features), bias)
