@@ -85,15 +85,23 @@ def load_config(path: str | Path) -> LlamaConfig:
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {root}")
     hf = _read_json(root / "config.json")
-    config = LlamaConfig.from_hf(hf)
+    config = _from_hf(hf, root / "config.json")
     gen_path = root / "generation_config.json"
     if gen_path.is_file():
         gen = _read_json(gen_path)
         if gen.get("eos_token_id") is not None:
             ids = eos_ids(gen["eos_token_id"], "generation_config.json key 'eos_token_id'")
             hf = {**hf, "eos_token_id": list(ids)}
-            config = LlamaConfig.from_hf(hf)
+            config = _from_hf(hf, root / "config.json")
     return config
+
+
+def _from_hf(hf: dict, file: Path) -> LlamaConfig:
+    """LlamaConfig.from_hf, its refusals (an unsupported rope type or key, a bad value) naming the file read."""
+    try:
+        return LlamaConfig.from_hf(hf)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{file}: {e}") from e
 
 
 def _reason(error: BaseException) -> str:

@@ -20,7 +20,8 @@ Two config.json styles exist for the rotary embedding and both are read:
   `type`, and the type's parameters);
 * transformers 5.x: `rope_parameters`, one dict holding `rope_type`, `rope_theta` and the type's parameters.
 
-Rope types "default" and "llama3" are supported; anything else is refused with an error naming the key.
+The rope parameters and the rope types read are static_decode.model.rope_config's; a type or key it does not read
+is refused with an error naming the key.
 """
 
 from __future__ import annotations
@@ -30,13 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from static_decode.base.checks import check_int, is_number
+from static_decode.model.rope_config import RopeConfig, rope_from_hf
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # transformers' layer kinds (Qwen2/Qwen3 `layer_types`): which layers attend through a sliding window.
 LAYER_TYPES = ("full_attention", "sliding_attention")
 QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's default: a config.json without head_dim means 128
-ROPE_TYPES = ("default", "llama3")
-LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def _check_positive_float(name: str, value: Any) -> None:
@@ -46,33 +46,6 @@ def _check_positive_float(name: str, value: Any) -> None:
         or value <= 0
     ):
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters (transformers' `rope_parameters`)."""
-
-    theta: float = 10000.0  # base wavelength: inv_freq[i] = theta ** (-2i / head_dim)
-    type: str = "default"  # "default" or "llama3" (frequency-dependent scaling of Llama 3.1)
-    factor: float = 1.0  # llama3: long wavelengths are divided by this
-    low_freq_factor: float = 1.0  # llama3: wavelengths above original_max / low_freq_factor are scaled fully
-    high_freq_factor: float = 4.0  # llama3: wavelengths below original_max / high_freq_factor are kept
-    original_max_position_embeddings: int = 8192  # llama3: the context length the model was pretrained on
-
-    def __post_init__(self) -> None:
-        if self.type not in ROPE_TYPES:
-            raise ValueError(f"unsupported rope type {self.type!r}; supported: {', '.join(ROPE_TYPES)}")
-        _check_positive_float("rope theta", self.theta)
-        _check_positive_float("rope factor", self.factor)
-        _check_positive_float("rope low_freq_factor", self.low_freq_factor)
-        _check_positive_float("rope high_freq_factor", self.high_freq_factor)
-        check_int("rope original_max_position_embeddings", self.original_max_position_embeddings, minimum=1)
-        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            # The smoothing divides by (high - low): equal factors would divide by zero.
-            raise ValueError(
-                f"llama3 rope needs high_freq_factor > low_freq_factor, got "
-                f"{self.high_freq_factor} <= {self.low_freq_factor}"
-            )
 
 
 @dataclass(frozen=True)
@@ -134,6 +107,7 @@ class LlamaConfig:
             raise ValueError(f"architecture {self.architecture!r} is not one of {', '.join(ARCHITECTURES)}")
         if not isinstance(self.rope, RopeConfig):
             raise TypeError(f"rope must be a RopeConfig, got {type(self.rope).__name__}")
+        self.rope.check(self.head_dim)
         ids = tuple(self.eos_token_ids)
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
@@ -183,6 +157,14 @@ class LlamaConfig:
         missing = [k for k in required if k not in hf]
         if missing:
             raise ValueError(f"config.json lacks required key(s): {', '.join(missing)}")
+        rope = rope_from_hf(hf)
+        if rope.partial_rotary_factor != 1.0:
+            # transformers' classes for these architectures rotate every dim of a head whatever the key says
+            # (default rope) or fail (scaled rope): the key cannot describe one of their checkpoints.
+            raise ValueError(
+                f"unsupported config.json key 'partial_rotary_factor'={rope.partial_rotary_factor!r}: transformers' "
+                f"{arch} rotates whole heads; only 1.0 loads for it"
+            )
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -192,7 +174,7 @@ class LlamaConfig:
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             head_dim=hf.get("head_dim") or (QWEN3_DEFAULT_HEAD_DIM if arch == "Qwen3ForCausalLM" else 0),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=rope_from_hf(hf),
+            rope=rope,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
             **_family_switches(arch, hf),
@@ -263,39 +245,3 @@ def eos_ids(value: Any, where: str) -> tuple[int, ...]:
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"{where} must be an int or a list of ints, got {value!r}")
     return tuple(values)
-
-
-def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
-    """Read the rotary parameters from `rope_parameters` (5.x) or `rope_theta` + `rope_scaling` (4.x)."""
-    if hf.get("rope_parameters") is not None:
-        params, key = dict(hf["rope_parameters"]), "rope_parameters"
-        if "rope_theta" not in params and "rope_theta" in hf:
-            params["rope_theta"] = hf["rope_theta"]
-    else:
-        params, key = dict(hf.get("rope_scaling") or {}), "rope_scaling"
-        params["rope_theta"] = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-    if not isinstance(params.get("rope_theta"), int | float) or isinstance(params.get("rope_theta"), bool):
-        raise ValueError(f"config.json rope_theta must be a number, got {params.get('rope_theta')!r}")
-    # Older 4.x files spell the type `type`; a missing type means the original RoPE.
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope type: config.json key '{key}.rope_type' is {rope_type!r}; "
-            f"supported: {', '.join(ROPE_TYPES)}"
-        )
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"unsupported config.json key 'partial_rotary_factor'={partial!r}; only 1.0")
-    if rope_type == "default":
-        return RopeConfig(theta=float(params["rope_theta"]))
-    missing = [k for k in LLAMA3_KEYS if k not in params]
-    if missing:
-        raise ValueError(f"llama3 rope needs config.json key(s) {', '.join(f'{key}.{k}' for k in missing)}")
-    return RopeConfig(
-        theta=float(params["rope_theta"]),
-        type="llama3",
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-    )

@@ -36,6 +36,7 @@ def unsupported(model: Llama, cache: StaticKVCache) -> str | None:
         (model.dtype == torch.bfloat16 and not cpu_kernel.bf16_dot(), "bfloat16 weights need AVX512-BF16"),
         (c.qkv_bias or c.o_bias or c.mlp_bias, "projection biases"),
         (c.qk_norm, "q/k norms (Qwen3)"),
+        (c.rope.rotary_dim(c.head_dim) != c.head_dim, "partial rotary embedding (the kernel rotates whole heads)"),
         (not cpu_kernel.supports(groups, c.head_dim, cache.dtype, cache.device), f"head_dim {c.head_dim}"),
     )
     for bad, why in reasons:

@@ -52,6 +52,7 @@ class Llama(nn.Module):
     """
 
     inv_freq: torch.Tensor
+    long_inv_freq: torch.Tensor | None  # longrope's table past the original context; None for the other types
     # Formulations this model's steps resolve past (attention.resolve_impl's `skip`): set only on a view, see skipping.
     attn_skip: tuple[str, ...] = ()
     # Set by the capture layer around the calls of its compiled steps (capture.regions); read only while tracing.
@@ -94,13 +95,25 @@ class Llama(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)  # replicated
         )
-        self.register_buffer("inv_freq", torch.empty(config.head_dim // 2, device=device), persistent=False)
+        half = config.rope.rotary_dim(config.head_dim) // 2
+        self.register_buffer("inv_freq", torch.empty(half, device=device), persistent=False)
+        self.register_buffer("long_inv_freq", None, persistent=False)
         self.reset_rope()
 
     def reset_rope(self) -> None:
         """(Re)compute the float32 inverse frequencies on the model's device (after loading onto meta)."""
-        device = self.embed_tokens.weight.device
-        self.inv_freq = rope.inv_freq(self.config.rope, self.config.head_dim, device=device)
+        device, c = self.embed_tokens.weight.device, self.config
+        self.inv_freq = rope.inv_freq(c.rope, c.head_dim, device=device)
+        if c.rope.type == "longrope":
+            self.long_inv_freq = rope.long_inv_freq(c.rope, c.head_dim, device=device)
+
+    def rotary(self, positions: torch.Tensor, seq_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, 1, T, r/2] in the model's dtype for positions [B, T] of rows whose lengths after the step
+        are seq_len [B] (the length picks the table of the "dynamic" and "longrope" types; rope.step_freq), scaled
+        by the attention factor (yarn, longrope)."""
+        c = self.config
+        freq = rope.step_freq(c.rope, c.head_dim, self.inv_freq, self.long_inv_freq, seq_len)  # [r/2] | [B, 1, r/2]
+        return rope.cos_sin(freq, positions, self.dtype, rope.attention_factor(c.rope))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -157,8 +170,8 @@ class Llama(nn.Module):
         read_len == T: the attention then runs causal SDPA instead of a mask (attention.StepMask.causal)."""
         T = tokens.shape[1]
         positions = cache.lens[:, None] + torch.arange(T, device=tokens.device)  # [B, T] old lens + slot
-        cos, sin = rope.cos_sin(self.inv_freq, positions, self.dtype)  # [B, 1, T, d/2]
         lens_after = cache.lens + n_new  # [B]
+        cos, sin = self.rotary(positions, lens_after)  # [B, 1, T, r/2]
         x = self.embed_tokens(tokens)  # [B, T, D]
         if self.layer_runner is not None and torch.compiler.is_compiling():
             # A compiled step whose blocks run as separately compiled layer regions (capture.regions, the CPU

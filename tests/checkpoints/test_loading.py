@@ -163,12 +163,12 @@ def test_unsupported_rope_type(llama3, tmp_path, style):
     def edit(cfg):
         if style == "4.x":
             to_4x_style(cfg)
-            cfg["rope_scaling"]["rope_type"] = "yarn"
+            cfg["rope_scaling"]["rope_type"] = "proportional"
         else:
-            cfg["rope_parameters"]["rope_type"] = "yarn"
+            cfg["rope_parameters"]["rope_type"] = "proportional"
 
     rewrite_config(ckpt, edit)
-    refuses(ckpt, ValueError, "yarn", "rope_parameters" if style == "5.x" else "rope_scaling")
+    refuses(ckpt, ValueError, "proportional", "rope_parameters" if style == "5.x" else "rope_scaling")
 
 
 def test_llama3_rope_missing_parameter(llama3, tmp_path):
@@ -287,5 +287,5 @@ def test_config_validation_names_the_value():
     LlamaConfig(**base).check_max_len(10**9)  # no window: any length
     with pytest.raises(ValueError, match="high_freq_factor"):
         RopeConfig(type="llama3", low_freq_factor=4.0, high_freq_factor=4.0)
-    with pytest.raises(ValueError, match="'linear'"):
-        RopeConfig(type="linear")
+    with pytest.raises(ValueError, match="'proportional'"):
+        RopeConfig(type="proportional")
