@@ -9,9 +9,10 @@ logit bias of -100 on the likeliest token keeps it out of 1,000 seeded samples (
 it), +100 makes greedy pick it; the Generator's greedy and sampled tokens equal a plain loop over transformers'
 full-sequence logits applying the references (bias, repetition penalty, counts of the emitted tokens, min_p);
 the device counts equal a host recount of what each row emitted (ragged rows ending at EOS, a conversation's
-later turn counting only its own reply); compiled steps give the eager tokens for the same seed; bad values
-are refused by name before anything is allocated, these samplers with speculation likewise; the compiled token
-record adds to `counts` in place (no copy of the [B, V + 1] buffer in its generated code).
+later turn and a prefix-cache request counting only their own reply); compiled steps give the eager tokens for
+the same seed; bad values are refused by name before anything is allocated, these samplers with speculation
+likewise; the compiled token record adds to `counts` in place (no copy of the [B, V + 1] buffer in its generated
+code).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from capture import CaptureOptions, CompileSettings
 from static_decode import Generator, load_model
 from static_decode.generation.conversation import Conversation
+from static_decode.generation.prefix_cache import PrefixCache
 from static_decode.generation.request import SamplingParams
 from static_decode.steps import functions as steps
 from static_decode.steps import sampling
@@ -304,6 +306,23 @@ def test_a_conversation_turn_counts_its_own_reply(pair):
     assert gen.bufs.counts[0, :-1].tolist() == np.bincount(reply2, minlength=VOCAB).tolist()
     single = Generator(model, max_len=64, chunk_size=4, eos_token_ids=[])  # the earlier reply is prompt now
     assert single.generate(turn1 + reply1 + turn2, 6, frequency_penalty=1.0, presence_penalty=0.5) == reply2
+
+
+def test_a_prefix_cache_request_equals_a_fresh_one(pair):
+    """A request reusing a cached prefix counts only its own reply, as a fresh request over the whole prompt."""
+    _, model = pair
+    every = dict(presence_penalty=0.7, frequency_penalty=1.2, logit_bias={40: -100, 3: 1.5}, min_p=0.05,
+                 temperature=0.9, seed=8)
+    gen = Generator(model, max_len=64, chunk_size=4, eos_token_ids=[])
+    prefix = PrefixCache(gen)
+    first = [t for piece in prefix.stream(PROMPT, 8, **every)[1] for t in piece]
+    again = PROMPT + first + [9, 9]
+    reuse, pieces = prefix.stream(again, 8, **every)
+    got = [t for piece in pieces for t in piece]
+    assert reuse.cached > 0
+    fresh = Generator(model, max_len=64, chunk_size=4, eos_token_ids=[])
+    assert got == fresh.generate(again, 8, **every)
+    assert gen.bufs.counts[0, :-1].tolist() == np.bincount(got, minlength=VOCAB).tolist()
 
 
 def test_compiled_tokens_equal_eager_tokens(pair):
