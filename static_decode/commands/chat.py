@@ -32,6 +32,7 @@ from static_decode.commands.args import (
     check_max_len,
     speculation,
 )
+from static_decode.commands.chat_options import add_chat_template_arguments
 from static_decode.commands.samplers import add_sampler_arguments, check_sampler_flags, sampler_options
 from static_decode.commands.streaming import write_stream
 from static_decode.generation.conversation import Conversation
@@ -44,7 +45,9 @@ DEFAULT_MAX_LEN = 4096  # cache positions for the whole conversation (capped by 
 class ChatSession:
     """Messages, their rendering, and the conversation on the generator's cache."""
 
-    def __init__(self, gen: Generator, tokenizer: Any, template: ChatTemplate, system: str | None = None) -> None:
+    def __init__(self, gen: Generator, tokenizer: Any, template: ChatTemplate, system: str | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
+        self.template_kwargs = template_kwargs  # --chat-template-kwargs, at every rendering
         self.conv = Conversation(gen)
         self.tokenizer, self.template = tokenizer, template
         self.opening = [] if system is None else [{"role": "system", "content": system}]
@@ -70,7 +73,8 @@ class ChatSession:
 
     def turn_ids(self, text: str) -> list[int]:
         """The tokens to feed for user message `text`: the rendering's part past what is cached."""
-        rendered = self.template.render([*self.messages, {"role": "user", "content": text}])
+        rendered = self.template.render([*self.messages, {"role": "user", "content": text}],
+                                        kwargs=self.template_kwargs)
         cached = self.tokenizer.decode(self.conv.tokens, skip_special_tokens=False) if self.conv.tokens else ""
         self.reused = bool(cached) and rendered.startswith(cached)
         earlier = len(self.messages) > len(self.opening)
@@ -144,7 +148,7 @@ def run_chat(args: argparse.Namespace) -> int:
     capture = capture_options(args.compile, args.temperature, spec)
     gen = Generator(model, max_len=max_len, chunk_size=args.chunk_size, long_chunk=args.long_chunk, batch=1,
                     compile=args.compile, capture=capture, speculate=spec)
-    session = ChatSession(gen, tokenizer, template, system=args.system)
+    session = ChatSession(gen, tokenizer, template, system=args.system, template_kwargs=args.chat_template_kwargs)
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
                 "repeat_penalty": args.repeat_penalty, **sampler_options(args)}
     interactive = tp.rank == 0 and sys.stdin.isatty()
@@ -211,6 +215,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="the K/V cache's dtype (default: the model's); a 16-bit cache halves long-context reads")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message that opens the conversation")
+    add_chat_template_arguments(p, what="every turn")
     add_speculation_arguments(p)
     add_text_arguments(p)
     add_sampler_arguments(p)

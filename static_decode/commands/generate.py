@@ -24,6 +24,7 @@ from static_decode.commands.args import (
     int_list,
     speculation,
 )
+from static_decode.commands.chat_options import add_chat_template_arguments
 from static_decode.commands.samplers import add_sampler_arguments, check_sampler_flags, sampler_options
 from static_decode.commands.streaming import write_stream
 from static_decode.generation.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
@@ -71,6 +72,7 @@ def add_generation_arguments(p: argparse.ArgumentParser, *, demo: bool = False) 
         p.add_argument("--chat", action="store_true", help="render --prompt as one user message of the chat template")
         p.add_argument("--system", default=None, metavar="TEXT",
                        help="a system message before the prompt (renders the chat template: implies --chat)")
+        add_chat_template_arguments(p, what="--chat")
 
 
 def _start_profiler(path: Path | None):  # -> torch.profiler.profile | None
@@ -147,6 +149,9 @@ def run_generate(args: argparse.Namespace) -> int:
         print(DEMO_NOTE, file=sys.stderr)
     system = getattr(args, "system", None)
     chat = getattr(args, "chat", False) or system is not None  # demo has neither
+    template_kwargs = getattr(args, "chat_template_kwargs", None)
+    if template_kwargs is not None and not chat:
+        raise ValueError("--chat-template-kwargs are variables of the chat template: give --chat (or --system)")
     text = _prompt_text(args)
     t0 = time.perf_counter()
     tp = launch.tp if launch is not None else SINGLE
@@ -167,7 +172,8 @@ def run_generate(args: argparse.Namespace) -> int:
                 raise ValueError(f"--chat needs a chat template (chat_template.jinja or tokenizer_config.json's "
                                  f"chat_template) in {path}")
             messages = [] if system is None else [{"role": "system", "content": system}]
-            text = template.render([*messages, {"role": "user", "content": text}], add_generation_prompt=True)
+            text = template.render([*messages, {"role": "user", "content": text}], add_generation_prompt=True,
+                                   kwargs=template_kwargs)
         prompt = tokenizer.encode(text, add_special_tokens=not chat).ids  # a template writes its own BOS
     else:
         raise ValueError("give --prompt TEXT, --prompt-file FILE or --prompt-ids 1,2,3")

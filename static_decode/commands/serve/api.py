@@ -5,7 +5,8 @@ an `APIError`: an HTTP status and OpenAI's error body, {"error": {"message", "ty
 Extensions: `top_k`, `ignore_eos`, `repeat_penalty`; `min_p` as vLLM and llama.cpp take it. `logit_bias` (string token
 ids as OpenAI sends them), `presence_penalty` and `frequency_penalty` are OpenAI's. Fields the API defines and this
 server does not use (user, ...) are accepted and ignored, as llama.cpp's server does; those whose meaning it
-cannot honour (`n` > 1, several prompts) are refused.
+cannot honour (`n` > 1, several prompts) are refused. A chat's template inputs (tools, tool_choice, tool calls and
+results, chat_template_kwargs, reasoning_format) are checked in static_decode.commands.serve.messages.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from static_decode.commands.serve import messages as chat_fields
 from static_decode.generation.request import SamplingParams, check_request
-from static_decode.text.chat_template import ROLES, ChatTemplate
+from static_decode.text.chat_template import ChatTemplate
+from static_decode.text.reasoning import START as REASONING_START
 
 
 class APIError(Exception):
@@ -61,6 +64,8 @@ class Context:
     max_len: int
     draft_slots: int = 0
     defaults: Sampling = field(default_factory=Sampling)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # --chat-template-kwargs (a request's go over)
+    reasoning_format: str = "none"  # --reasoning-format: "deepseek" returns a <think> span as reasoning_content
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,8 @@ class Completion:
     presence_penalty: float | None = None  # OpenAI's, over the tokens emitted so far
     frequency_penalty: float | None = None  # OpenAI's, per emission of a token
     logit_bias: tuple[tuple[int, float], ...] | None = None  # OpenAI's, as (token id, bias) pairs
+    reasoning: bool = False  # chat: the reply's <think> span goes to reasoning_content (reasoning_format deepseek)
+    reasoning_open: bool = False  # the rendered prompt ends with <think>: the reply starts inside its reasoning
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -98,10 +105,11 @@ UNHONOURED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "response_format": (None, {"type": "text"}),
     "typical_p": (None, 1, 1.0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True),  # no call is parsed from the reply, so none is limited to one
+    "documents": (None,), "chat_template": (None,),  # vLLM's template arguments
+    "continue_final_message": (None, False), "add_generation_prompt": (None, True),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "grammar": (None, ""),  # llama.cpp's
@@ -193,22 +201,6 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _content(i: int, message: Any) -> dict[str, str]:
-    """One message as the template takes it; content given as text parts is joined."""
-    if not isinstance(message, dict):
-        raise _bad(f"messages[{i}] must be an object with 'role' and 'content', got {message!r}", "messages")
-    role, content = message.get("role"), message.get("content")
-    if role not in ROLES:
-        raise _bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        content = "".join(p.get("text") if isinstance(p.get("text"), str) else "\0" for p in content)
-        if "\0" in content:
-            content = None
-    if not isinstance(content, str):
-        raise _bad(f"messages[{i}].content must be a string or a list of text parts, got {content!r}", "messages")
-    return {"role": role, "content": content}
-
-
 def _body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
@@ -219,31 +211,40 @@ def _body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _prompt_ids(body: dict[str, Any], ctx: Context, chat: bool) -> list[int]:
+def _prompt_ids(body: dict[str, Any], ctx: Context, chat: bool) -> tuple[list[int], str]:
+    """The prompt's ids and, for a chat, the rendered template's text."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _bad(f"messages must be a non-empty list of messages, got {messages!r}", "messages")
-        checked = [_content(i, m) for i, m in enumerate(messages)]
+        try:  # the chat fields' own checks (static_decode.commands.serve.messages)
+            checked = [chat_fields.chat_message(i, m) for i, m in enumerate(messages)]
+            tools, kwargs = chat_fields.chat_tools(body), chat_fields.template_kwargs(body, ctx.template_kwargs)
+        except chat_fields.FieldError as e:
+            raise _bad(str(e), e.param) from e
         if ctx.template is None:
             raise _bad(f"model {ctx.model_name!r} has no chat template (chat_template.jinja or tokenizer_config.json's "
                        "chat_template); use /v1/completions with a prompt", "messages")
         try:
-            text = ctx.template.render(checked, add_generation_prompt=True)
+            text = ctx.template.render(checked, add_generation_prompt=True, tools=tools, kwargs=kwargs)
         except ValueError as e:  # the template refused (raise_exception), or does not parse
             raise _bad(str(e), "messages") from e
         except Exception as e:  # noqa: BLE001 - a template failing on these messages (jinja2's errors, a bad op)
             raise _bad(f"the chat template failed on these messages: {type(e).__name__}: {e}", "messages") from e
-        return _encode(ctx, text, "messages", add_special_tokens=False)  # a template writes its own BOS
+        return _encode(ctx, text, "messages", add_special_tokens=False), text  # a template writes its own BOS
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
+    try:
+        chat_fields.refuse_chat_only(body)
+    except chat_fields.FieldError as e:
+        raise _bad(str(e), e.param) from e
     if isinstance(prompt, str) and prompt:
-        return _encode(ctx, prompt, "prompt")
+        return _encode(ctx, prompt, "prompt"), ""
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < ctx.vocab_size for t in prompt):
             raise _bad(f"prompt token ids must be in 0..{ctx.vocab_size - 1}, got {prompt!r}", "prompt")
-        return list(prompt)
+        return list(prompt), ""
     raise _bad(f"prompt must be a non-empty string or list of token ids (one prompt: this server decodes one "
                f"stream), got {prompt!r}", "prompt")
 
@@ -291,7 +292,11 @@ def parse(raw: bytes, ctx: Context, *, chat: bool) -> Completion:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise _bad(f"ignore_eos must be a boolean, got {ignore_eos!r}", "ignore_eos")
-    ids = _prompt_ids(body, ctx, chat)
+    try:
+        reasoning = chat and chat_fields.reasoning_format(body, ctx.reasoning_format) == "deepseek"
+    except chat_fields.FieldError as e:
+        raise _bad(str(e), e.param) from e
+    ids, rendered = _prompt_ids(body, ctx, chat)
     room = ctx.max_len - len(ids) - ctx.draft_slots
     if max_tokens is None:
         if room < 1:
@@ -311,4 +316,5 @@ def parse(raw: bytes, ctx: Context, *, chat: bool) -> Completion:
     return Completion(chat=chat, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                       top_k=top_k, seed=seed, stop=stop, stream=stream,
                       include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos, **samplers,
-                      repeat_penalty=repeat_penalty)
+                      repeat_penalty=repeat_penalty, reasoning=reasoning,
+                      reasoning_open=reasoning and rendered.rstrip().endswith(REASONING_START))

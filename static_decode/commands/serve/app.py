@@ -1,9 +1,12 @@
 """The HTTP side of `static-decode serve`: a Starlette app speaking the OpenAI API over the decode worker.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (both with `stream`: server-sent events in OpenAI's
-chunk format, ending with `data: [DONE]`), GET /v1/models, GET /health. Every refusal, including unknown routes
-and methods, has OpenAI's error body. A streamed response whose client goes away cancels its request (the worker
-stops it at the next read-back); so does a non-streamed one, watched through the ASGI receive channel.
+chunk format, ending with `data: [DONE]`), GET /v1/models, GET /health, POST /tokenize and /detokenize (as
+llama-server has them) and, with --metrics, GET /metrics (Prometheus). Every refusal, including unknown routes
+and methods, has OpenAI's error body. A chat reply under reasoning_format "deepseek" has its <think> span as
+`reasoning_content` (delta.reasoning_content when streamed), split by static_decode.text.reasoning. A streamed
+response whose client goes away cancels its request (the worker stops it at the next read-back); so does a
+non-streamed one, watched through the ASGI receive channel.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from static_decode.commands.serve.api import APIError, Completion, Context, parse
+from static_decode.commands.serve.metrics import Metrics
+from static_decode.commands.serve.tokens import detokenize, tokenize
 from static_decode.commands.serve.worker import Job, Usage, Worker
+from static_decode.text.reasoning import ReasoningSplit
 
 log = logging.getLogger("static_decode.serve")
 
@@ -36,6 +42,7 @@ class Served:
     ctx: Context
     worker: Worker
     created: int  # when the model was loaded (unix seconds), for /v1/models
+    metrics: Metrics | None = None  # serve --metrics: GET /metrics, and every answer counted
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -49,19 +56,29 @@ def _sse(data: dict[str, Any] | str) -> bytes:
 class _Reply:
     """The response objects of one request (ids and field layout per endpoint)."""
 
-    def __init__(self, served: Served, chat: bool) -> None:
-        self.chat, self.model = chat, served.ctx.model_name
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    def __init__(self, served: Served, req: Completion) -> None:
+        self.chat, self.model = req.chat, served.ctx.model_name
+        self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.split = ReasoningSplit(in_reasoning=req.reasoning_open) if req.reasoning else None
+
+    def deltas(self, text: str | None) -> list[dict[str, str]]:
+        """The chat deltas of the reply's next text (None: its end): content, or reasoning_content and content
+        apart when the reasoning is split off."""
+        if self.split is None:
+            return [{"content": text}] if text else []
+        reasoning, content = self.split.flush() if text is None else self.split.feed(text)
+        return [d for d in ({"reasoning_content": reasoning}, {"content": content}) if next(iter(d.values()))]
 
     def _wrap(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False,
+              delta: dict[str, str] | None = None) -> dict[str, Any]:
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            delta = {**({"role": "assistant"} if role else {}), **(delta or {})}
             if text is not None:
                 delta["content"] = text
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -74,8 +91,14 @@ class _Reply:
 
     def whole(self, text: str, finish: str, usage: Usage) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            if self.split is not None:  # the same split as streamed: the whole text, then the end
+                parts = [d for piece in (text, None) for d in self.deltas(piece)]
+                message["content"] = "".join(d.get("content", "") for d in parts)
+                reasoning = "".join(d.get("reasoning_content", "") for d in parts)
+                if reasoning:
+                    message["reasoning_content"] = reasoning
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         return {**self._wrap([choice], chunk=False), "usage": usage.body()}
@@ -90,16 +113,23 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
             return
 
 
-async def _stream(reply: _Reply, job: Job, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(reply: _Reply, job: Job, include_usage: bool, metrics: Metrics | None) -> AsyncIterator[bytes]:
     try:
         if reply.chat:
             yield _sse(reply.chunk("", role=True))
         while True:
             event = await job.events.get()
-            if event[0] == "text":
+            if event[0] == "text" and reply.chat:
+                for delta in reply.deltas(event[1]):
+                    yield _sse(reply.chunk(None, delta=delta))
+            elif event[0] == "text":
                 yield _sse(reply.chunk(event[1]))
             elif event[0] == "done":
                 _, finish, usage = event
+                _observe(metrics, usage)
+                if reply.chat:
+                    for delta in reply.deltas(None):
+                        yield _sse(reply.chunk(None, delta=delta))
                 final = reply.chunk(None if reply.chat else "", finish)
                 if include_usage:
                     final["usage"] = None
@@ -127,9 +157,10 @@ async def _complete(request: Request, chat: bool) -> Response:
         log.exception("reading a request failed")
         return error_response(APIError(500, f"the request could not be read: {type(e).__name__}: {e}",
                                        type="server_error"))
-    reply = _Reply(served, chat)
+    reply = _Reply(served, req)
     if req.stream:
-        return StreamingResponse(_stream(reply, job, req.include_usage), media_type="text/event-stream",
+        return StreamingResponse(_stream(reply, job, req.include_usage, served.metrics),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.ensure_future(_watch_disconnect(request, job))
     parts: list[str] = []
@@ -139,12 +170,18 @@ async def _complete(request: Request, chat: bool) -> Response:
             if event[0] == "text":
                 parts.append(event[1])
             elif event[0] == "done":
+                _observe(served.metrics, event[2])
                 return JSONResponse(reply.whole("".join(parts), event[1], event[2]))
             else:
                 return error_response(event[1])
     finally:
         watcher.cancel()
         job.cancelled.set()  # a no-op once done; a cancelled handler (shutdown) stops the decode
+
+
+def _observe(metrics: Metrics | None, usage: Usage) -> None:
+    if metrics is not None:
+        metrics.observe(usage.prefill_ms, usage.ms_per_token, usage.completion_tokens)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -167,6 +204,25 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok", "waiting": served.worker.waiting, **served.worker.counts})
 
 
+async def tokenize_route(request: Request) -> Response:
+    try:
+        return JSONResponse(tokenize(await request.body(), request.app.state.served.ctx.tokenizer))
+    except APIError as e:
+        return error_response(e)
+
+
+async def detokenize_route(request: Request) -> Response:
+    try:
+        return JSONResponse(detokenize(await request.body(), request.app.state.served.ctx.tokenizer))
+    except APIError as e:
+        return error_response(e)
+
+
+async def metrics_route(request: Request) -> Response:
+    body, kind = request.app.state.served.metrics.body()
+    return Response(body, media_type=kind)
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
@@ -181,16 +237,20 @@ async def _server_error(request: Request, exc: Exception) -> Response:
                                    type="server_error"))
 
 
-def build_app(served: Served) -> Starlette:
-    """The app over `served` (its worker already running)."""
-    app = Starlette(
-        routes=[
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-        ],
-        exception_handlers={HTTPException: _http_error, Exception: _server_error},
-    )
+ROUTES = (
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/tokenize", tokenize_route, methods=["POST"]),
+    Route("/detokenize", detokenize_route, methods=["POST"]),
+)
+
+
+def build_app(served: Served) -> Any:
+    """The ASGI app over `served` (its worker already running); with metrics, GET /metrics and every answer
+    counted."""
+    routes = [*ROUTES] + ([] if served.metrics is None else [Route("/metrics", metrics_route, methods=["GET"])])
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _server_error})
     app.state.served = served
-    return app
+    return app if served.metrics is None else served.metrics.asgi(app)

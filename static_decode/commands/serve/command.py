@@ -31,7 +31,9 @@ from static_decode.commands.args import (
     check_device,
     speculation,
 )
+from static_decode.commands.chat_options import add_chat_template_arguments
 from static_decode.commands.samplers import add_sampler_arguments, check_sampler_flags, sampler_options
+from static_decode.commands.serve.messages import REASONING_FORMATS
 from static_decode.generation.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
 from static_decode.generation.request import SamplingParams
 
@@ -76,6 +78,14 @@ def build(args: argparse.Namespace):  # -> tuple[Served, Generator]
     if tokenizer is None:
         raise ValueError(f"serve needs a tokenizer.json in {path}")
     template = load_chat_template(path)  # None: /v1/chat/completions refuses, /v1/completions works
+    if template is None and args.chat_template_kwargs is not None:
+        raise ValueError(f"--chat-template-kwargs: {path} has no chat template to pass them to")
+    if args.metrics:
+        try:
+            import prometheus_client  # noqa: F401
+        except ModuleNotFoundError as e:
+            raise ValueError("--metrics needs prometheus-client (the [serve] extra): pip install "
+                             "'static-decode[serve]'") from e
     apply_threads(args)
     model = load_model(path, dtype=args.dtype, device=device, quantize=args.quantize)
     check_sampler_flags(args, False, model.config.vocab_size)  # --logit-bias ids in this vocabulary
@@ -99,9 +109,16 @@ def build(args: argparse.Namespace):  # -> tuple[Served, Generator]
                         repeat_penalty=args.repeat_penalty, max_tokens=args.max_tokens, **sampler_options(args))
     ctx = Context(model_name=args.model_name or path.resolve().name, tokenizer=tokenizer, template=template,
                   vocab_size=model.config.vocab_size, max_len=max_len, draft_slots=gen.draft_slots,
-                  defaults=defaults)
+                  defaults=defaults, template_kwargs=args.chat_template_kwargs or {},
+                  reasoning_format=args.reasoning_format)
     worker = Worker(PrefixCache(gen), tokenizer, args.queue)
-    return Served(ctx=ctx, worker=worker, created=int(time.time()))
+    metrics = None
+    if args.metrics:
+        from static_decode.commands.serve.app import ROUTES
+        from static_decode.commands.serve.metrics import Metrics
+
+        metrics = Metrics(lambda: worker.waiting, (*(r.path for r in ROUTES), "/metrics"))
+    return Served(ctx=ctx, worker=worker, created=int(time.time()), metrics=metrics)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -182,6 +199,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="the K/V cache's dtype (default: the model's)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (info: one line per request)")
+    add_chat_template_arguments(p, what="every chat request (a request's chat_template_kwargs go over them)")
+    p.add_argument("--reasoning-format", default="none", choices=REASONING_FORMATS,
+                   help="deepseek: a chat reply's <think> span is returned as message.reasoning_content (streamed as "
+                   "delta.reasoning_content) and removed from content; none: left in content (a request's "
+                   "reasoning_format goes over it)")
+    p.add_argument("--metrics", action="store_true",
+                   help="Prometheus metrics at GET /metrics (request counts, queue depth, prefill and per-token time)")
     add_quantize_argument(p)
     add_threads_argument(p)
     add_speculation_arguments(p)

@@ -403,7 +403,6 @@ UNHONOURED = [  # (field, a value that changes the output, the endpoints that ta
     ("logprobs", 2, "completions"), ("logprobs", True, "chat"), ("top_logprobs", 3, "chat"),
     ("echo", True, "completions"),
     ("response_format", {"type": "json_object"}, "both"),
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], "chat"),
     ("grammar", "root ::= \"a\"", "both"), ("best_of", 3, "completions"), ("typical_p", 0.5, "both"),
     ("guided_json", {"type": "object"}, "both"), ("tool_choice", "required", "chat"),
 ]
