@@ -5,7 +5,10 @@ whose length is a Python int. `gqa_attention` is the checked public entry over a
 
 Slot t of row b sits at absolute position lens[b] - n_new[b] + t (lens counts the chunk just appended) and
 sees keys 0..that position. Slots t >= n_new[b] return exact zeros. The mask is built from the lengths, not
-as a T x T triangle, so a chunk appended after cached tokens sees those tokens too.
+as a T x T triangle, so a chunk appended after cached tokens sees those tokens too. A layer with a sliding window
+of W keys (`window`, a Python int fixed per layer; None: off) sees only keys j with pos - W < j <= pos
+(transformers' sliding-window mask), still computed from the device lengths, so positions crossing W change no
+shape and compile nothing new.
 
 Seven formulations, all reading K and V in place (no copy, no KV repeat; checked by
 `profiles/attention_bench.py --trace`). Numbers in profiles/attention_cpu.md:
@@ -53,6 +56,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from static_decode.core import split_attention
 from static_decode.core.cache import IntsLike, StaticKVCache, host_ints
 from static_decode.core.split_attention import split_key_attention
 from static_decode.kernels import cpu_kernel
@@ -165,19 +169,37 @@ def resolve_impl(
     return "sdpa_folded"
 
 
-def chunk_mask(lens: torch.Tensor, n_new: torch.Tensor, slots: int, keys: int) -> torch.Tensor:
-    """[B, T, S] bool: may slot t of row b see key s. lens counts the chunk; n_new its real tokens."""
-    return _visible_and_real(lens, n_new, slots, keys)[0]
+def check_window(window: int | None) -> int | None:
+    """A layer's sliding window: None (full causal attention) or an int >= 1, refused otherwise naming it."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or an int >= 1 (keys a query sees), got {window!r}")
+    return window
+
+
+def chunk_mask(
+    lens: torch.Tensor, n_new: torch.Tensor, slots: int, keys: int, window: int | None = None
+) -> torch.Tensor:
+    """[B, T, S] bool: may slot t of row b see key s. lens counts the chunk; n_new its real tokens; `window`:
+    a sliding window of that many keys (None: every key up to the slot's position)."""
+    return _visible_and_real(lens, n_new, slots, keys, check_window(window))[0]
 
 
 def _visible_and_real(
-    lens: torch.Tensor, n_new: torch.Tensor, slots: int, keys: int
+    lens: torch.Tensor, n_new: torch.Tensor, slots: int, keys: int, window: int | None = None, first_key: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     t = torch.arange(slots, device=lens.device)  # [T]
-    s = torch.arange(keys, device=lens.device)  # [S]
     pos = (lens - n_new)[:, None] + t  # [B, T] absolute position of each slot
     real = t < n_new[:, None]  # [B, T]
-    return (s <= pos[:, :, None]) & real[:, :, None], real  # [B, T, S], [B, T]
+    return _visible(pos, real, torch.arange(keys, device=lens.device) + first_key, window), real
+
+
+def _visible(pos: torch.Tensor, real: torch.Tensor, s: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[B, T, S] may the slot at pos [B, T] (real [B, T]) see key s ([S], or [B, S] per row)."""
+    s = s[None, None, :] if s.dim() == 1 else s[:, None, :]  # [1 or B, 1, S]
+    seen = (s <= pos[:, :, None]) & real[:, :, None]  # [B, T, S]
+    if window is not None:  # a Python-level branch: a layer's window is fixed, so each graph sees one path
+        seen = seen & (s > pos[:, :, None] - window)  # [B, T, S]: the sliding window's lower bound
+    return seen
 
 
 class StepMask(NamedTuple):
@@ -192,26 +214,54 @@ class StepMask(NamedTuple):
     # A fresh chunk: every row starts at position 0 and fills all T slots, and S == T. Then SDPA's top-left
     # `is_causal` is exactly rule 3 and its kernels skip the key blocks past the diagonal: half the work of a
     # masked call. Only the host knows a chunk is fresh (its mirror of the lengths), so only an uncompiled long
-    # prefill chunk uses it (static_decode.steps.functions.prefill_long); no mask tensor is built.
+    # prefill chunk uses it (static_decode.steps.functions.prefill_long); no mask tensor is built. A windowed layer
+    # takes it only while the chunk fits in its window (every key of the chunk is then within reach).
     causal: bool = False
+    window: int | None = None  # the sliding window these forms include (None: full causal attention)
+    # split_key over a windowed read longer than the window's blocks: [B] the first key block each row reads; then
+    # visible and bias cover only the blocks first_block[b] .. first_block[b] + nw - 1 (split_attention.window_blocks).
+    first_block: torch.Tensor | None = None
 
 
 FRESH = StepMask(None, None, None, causal=True)
 
 
 def step_mask(
-    lens: torch.Tensor, n_new: torch.Tensor, slots: int, keys: int, *, groups: int, dtype: torch.dtype, impl: str
+    lens: torch.Tensor,
+    n_new: torch.Tensor,
+    slots: int,
+    keys: int,
+    *,
+    groups: int,
+    dtype: torch.dtype,
+    impl: str,
+    window: int | None = None,
 ) -> StepMask:
     """The mask of a step whose rows hold `lens` tokens after appending `n_new` (device tensors), `slots` query
-    slots, `keys` keys read, `groups` query heads per KV head; `impl` decides which forms are built."""
-    visible, real = _visible_and_real(lens, n_new, slots, keys)  # [B, T, S], [B, T]
+    slots, `keys` keys read, `groups` query heads per KV head, through a sliding `window` (None: off); `impl`
+    decides which forms are built. split_key under a window shorter than the read builds them over the window's
+    key blocks only (StepMask.first_block), so neither the mask nor the attention grows with the read."""
+    window = check_window(window)
+    first = None
+    if impl == "split_key" and window is not None:
+        Sb, nw = split_attention.window_blocks(keys, slots, window)
+        if nw < keys // Sb:
+            first = split_attention.first_blocks(lens - n_new, keys, slots, window)  # [B]
+            t = torch.arange(slots, device=lens.device)  # [T]
+            pos = (lens - n_new)[:, None] + t  # [B, T]
+            real = t < n_new[:, None]  # [B, T]
+            s = first[:, None] * Sb + torch.arange(nw * Sb, device=lens.device)  # [B, nw*Sb] the keys read
+            visible = _visible(pos, real, s, window)  # [B, T, nw*Sb]
+            keys = nw * Sb
+    if first is None:
+        visible, real = _visible_and_real(lens, n_new, slots, keys, window)  # [B, T, S], [B, T]
     bias = None
     if impl in ("sdpa_folded", "split_key"):
         B = visible.shape[0]
         folded = visible[:, None, None].expand(B, 1, groups, slots, keys).reshape(B, 1, groups * slots, keys)
         zero, ninf = (torch.full((), x, dtype=dtype, device=lens.device) for x in (0.0, -math.inf))
         bias = torch.where(folded, zero, ninf)  # [B, 1, G*T, S]
-    return StepMask(visible, real, bias)
+    return StepMask(visible, real, bias, window=window, first_block=first)
 
 
 def _masked_softmax_(scores: torch.Tensor, visible: torch.Tensor, dim: int, scale: float) -> torch.Tensor:
@@ -292,7 +342,9 @@ def _causal_per_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return torch.stack(outs, dim=2).view(B, Hq, T, d)  # [B, Hq, T, d]
 
 
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, n_new: torch.Tensor) -> torch.Tensor:
+def _flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, n_new: torch.Tensor, window: int | None
+) -> torch.Tensor:
     # Imported here: flex_attention pulls in torch._dynamo, which the eager paths (and a CLI's --help) never need.
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -303,21 +355,31 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
         # The same rule as chunk_mask, per (row, query slot, key): key s visible from slot t's position.
         return torch.where((s <= start[b] + t) & (t < n_new[b]), score, -math.inf)
 
-    out = flex_attention(q, k, v, score_mod=offset_mask, enable_gqa=True)  # [B, Hq, T, d]
+    def window_mask(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, t: torch.Tensor, s: torch.Tensor):
+        # ... and no older than the window: start[b] + t - W < s.
+        pos = start[b] + t
+        return torch.where((s <= pos) & (s > pos - window) & (t < n_new[b]), score, -math.inf)
+
+    mod = offset_mask if window is None else window_mask
+    out = flex_attention(q, k, v, score_mod=mod, enable_gqa=True)  # [B, Hq, T, d]
     real = (torch.arange(T, device=q.device) < n_new[:, None])[:, None, :, None]  # [B, 1, T, 1]
     return torch.where(real, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 def _split_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: StepMask) -> torch.Tensor:
-    return split_key_attention(q, k, v, mask.bias, mask.visible, mask.real)
+    return split_key_attention(
+        q, k, v, mask.bias, mask.visible, mask.real, window=mask.window, first_block=mask.first_block
+    )
 
 
 def _decode_kernel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, n_new: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, n_new: torch.Tensor, window: int | None
 ) -> torch.Tensor:
-    # resolve_impl chose it only where the kernel is built and takes these shapes; the mask is the lengths, read
-    # inside the kernel.
-    return cpu_kernel.decode_attention(q, k, v, lens, n_new)
+    # resolve_impl chose it only where the kernel is built and takes these shapes; the mask is the lengths (and the
+    # window), read inside the kernel, which never reads a key before a row's window.
+    if window is None:
+        return cpu_kernel.decode_attention(q, k, v, lens, n_new)
+    return cpu_kernel.decode_attention(q, k, v, lens, n_new, window=window)
 
 
 _IMPL_FNS = {
@@ -335,14 +397,19 @@ def grouped_attention(
     *,
     impl: str = DEFAULT_IMPL,
     mask: StepMask | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Device-only attention: q [B, Hq, T, d], k/v [B, Hkv, S, d] (views, S = read length), lens/n_new [B].
 
-    `mask`: the step's `step_mask` for these lengths and shapes, shared by a step's layers; built here if None.
-    No checks and no host reads: this is what a captured step runs. Returns [B, Hq, T, d].
+    `mask`: the step's `step_mask` for these lengths, shapes and `window` (the layer's sliding window, None: off),
+    shared by a step's layers of that window; built here if None. No checks of the tensors and no host reads: this
+    is what a captured step runs. Returns [B, Hq, T, d].
     """
     if impl not in CHOICES:
         raise ValueError(f"impl must be one of {CHOICES}, got {impl!r}")
+    check_window(window)
+    if mask is not None and not mask.causal and mask.window != window:
+        raise ValueError(f"the step mask was built for window {mask.window!r}, this layer's is {window!r}")
     groups = q.shape[1] // max(1, k.shape[1])
     impl = resolve_impl(
         impl, q.shape[0], k.shape[1], groups * q.shape[2], q.device, q.shape[3], k.dtype, groups=groups
@@ -352,16 +419,22 @@ def grouped_attention(
     if k.dtype != q.dtype and impl != "decode_kernel":
         # A cache in another dtype (Llama.kv_dtype): the SDPA formulations take one dtype, so the queries join the
         # cache's (never the other way: converting K/V would copy the whole read) and the output returns to q's.
-        return grouped_attention(q.to(k.dtype), k, v, lens, n_new, impl=impl, mask=mask).to(q.dtype)
+        return grouped_attention(
+            q.to(k.dtype), k, v, lens, n_new, impl=impl, mask=mask, window=window
+        ).to(q.dtype)
     if mask is not None and mask.causal:
-        return _causal_fresh(q, k, v)
+        if window is None or q.shape[2] <= window:  # the fresh chunk fits in the window: causal is exact
+            return _causal_fresh(q, k, v)
+        mask = None  # a fresh chunk longer than the window: the window's mask, built below
     if impl == "flex":  # its mask is a function of the lengths, evaluated inside the kernel
-        return _flex(q, k, v, lens, n_new)
+        return _flex(q, k, v, lens, n_new, window)
     if impl == "decode_kernel":
-        return _decode_kernel(q, k, v, lens, n_new)
+        return _decode_kernel(q, k, v, lens, n_new, window)
     if mask is None:
         groups = q.shape[1] // k.shape[1]
-        mask = step_mask(lens, n_new, q.shape[2], k.shape[2], groups=groups, dtype=q.dtype, impl=impl)
+        mask = step_mask(
+            lens, n_new, q.shape[2], k.shape[2], groups=groups, dtype=q.dtype, impl=impl, window=window
+        )
     return _IMPL_FNS[impl](q, k, v, mask)
 
 
@@ -373,14 +446,17 @@ def gqa_attention(
     layer: int = 0,
     read_len: int | None = None,
     impl: str = DEFAULT_IMPL,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the n_new[b] tokens just appended to `cache` (their queries q: [B, Hq, T, d]).
 
     Reads `cache.k[layer, ..., :read_len, :]` only (a view); read_len defaults to the longest row of the host
-    mirror and must cover it. Query head h reads KV head h // (Hq // Hkv). Returns [B, Hq, T, d].
+    mirror and must cover it. Query head h reads KV head h // (Hq // Hkv). `window`: a sliding window of that many
+    keys (None: every key up to the query's position). Returns [B, Hq, T, d].
     """
     if impl not in CHOICES:
         raise ValueError(f"impl must be one of {CHOICES}, got {impl!r}")
+    check_window(window)
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a rank-4 tensor [B, Hq, T, d], got {getattr(q, 'shape', type(q))}")
     B, Hq, T, d = q.shape
@@ -405,4 +481,4 @@ def gqa_attention(
             )
     read_len = cache.check_read_len(read_len)
     k, v = cache.layer_view(layer, read_len)  # [B, Hkv, read_len, d] views
-    return grouped_attention(q, k, v, cache.lens, cache.device_ints(n), impl=impl)
+    return grouped_attention(q, k, v, cache.lens, cache.device_ints(n), impl=impl, window=window)

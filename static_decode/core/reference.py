@@ -8,7 +8,8 @@ Both take the same inputs, all numpy (float64 recommended):
     n_new  [B]             real tokens in this chunk for each row, 0 <= n_new[b] <= min(T, lens[b])
 
 and return [B, Hq, T, d]: slot t of row b sits at absolute position lens[b] - n_new[b] + t and sees keys
-0..that position; slots t >= n_new[b] are exactly zero.
+0..that position; slots t >= n_new[b] are exactly zero. `window` (None: off) is a sliding window of W keys, as
+transformers draws it: the query at position i sees keys j with i - W < j <= i.
 
 `attention_vectorised` follows the library's three rules (grouped query view, offset causal mask over
 ragged rows, padded slots to zeros) with array ops. `attention_direct` shares none of that code: it repeats
@@ -21,7 +22,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def _check(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarray, n_new: np.ndarray) -> None:
+def _check(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarray, n_new: np.ndarray, window: int | None
+) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be rank 4, got {q.shape}, {k.shape}, {v.shape}")
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
@@ -33,11 +38,11 @@ def _check(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarray, n_new:
 
 
 def attention_vectorised(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarray, n_new: np.ndarray
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarray, n_new: np.ndarray, window: int | None = None
 ) -> np.ndarray:
-    """Grouped view + offset causal mask, all rows and slots at once."""
+    """Grouped view + offset causal mask (and the window's lower bound), all rows and slots at once."""
     lens, n_new = np.asarray(lens), np.asarray(n_new)
-    _check(q, k, v, lens, n_new)
+    _check(q, k, v, lens, n_new, window)
     B, Hq, T, d = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -46,6 +51,8 @@ def attention_vectorised(
     pos = (lens - n_new)[:, None] + np.arange(T)[None, :]  # [B, T] absolute position of each slot
     real = np.arange(T)[None, :] < n_new[:, None]  # [B, T]
     seen = np.arange(S)[None, None, :] <= pos[:, :, None]  # [B, T, S] (pos < lens, so keys stay valid)
+    if window is not None:
+        seen &= np.arange(S)[None, None, :] > pos[:, :, None] - window  # [B, T, S]
     mask = (seen & real[:, :, None])[:, None, None]  # [B, 1, 1, T, S]
     scores = np.where(mask, scores, -np.inf)
     top = scores.max(axis=-1, keepdims=True)
@@ -58,11 +65,11 @@ def attention_vectorised(
 
 
 def attention_direct(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarray, n_new: np.ndarray
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarray, n_new: np.ndarray, window: int | None = None
 ) -> np.ndarray:
-    """Repeat KV heads, then one plain softmax per (row, head, real query)."""
+    """Repeat KV heads, then one plain softmax per (row, head, real query) over its keys first..position."""
     lens, n_new = np.asarray(lens), np.asarray(n_new)
-    _check(q, k, v, lens, n_new)
+    _check(q, k, v, lens, n_new, window)
     B, Hq, T, d = q.shape
     G = Hq // k.shape[1]
     k_rep = np.repeat(k, G, axis=1)  # [B, Hq, S, d]: head h holds KV head h // G
@@ -71,10 +78,11 @@ def attention_direct(
     for b in range(B):
         for t in range(int(n_new[b])):
             position = int(lens[b]) - int(n_new[b]) + t
+            first = 0 if window is None else max(0, position - window + 1)
             for h in range(Hq):
-                keys = k_rep[b, h, : position + 1]  # [position + 1, d]
+                keys = k_rep[b, h, first : position + 1]  # [position + 1 - first, d]
                 logits = keys @ q[b, h, t] / np.sqrt(d)
                 weights = np.exp(logits - logits.max())
                 weights /= weights.sum()
-                out[b, h, t] = weights @ v_rep[b, h, : position + 1]
+                out[b, h, t] = weights @ v_rep[b, h, first : position + 1]
     return out

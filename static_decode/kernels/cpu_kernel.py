@@ -236,11 +236,20 @@ def supports(rows: int, head_dim: int, dtype: torch.dtype, device: torch.device)
 
 
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, n_new: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: torch.Tensor,
+    n_new: torch.Tensor,
+    *,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, T, d]; k/v [B, Hkv, S, d] cache views (rows contiguous); lens/n_new [B] int64, lens counting the
-    chunk. Slot t of row b sees keys 0..lens[b] - n_new[b] + t; a padded slot (t >= n_new[b]) returns zeros.
+    chunk. Slot t of row b sees keys 0..lens[b] - n_new[b] + t, and through a sliding `window` (None: none) only
+    the last `window` of them, the older keys never read; a padded slot (t >= n_new[b]) returns zeros.
     Returns [B, Hq, T, d] in q's dtype. Call `available()` first."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"decode_attention: window must be None or an int >= 1, got {window!r}")
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"decode_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must be rank 4")
     B, Hq, T, d = q.shape
@@ -249,7 +258,8 @@ def decode_attention(
         raise ValueError(f"decode_attention: {Hq} query heads for {Hkv} KV heads of head_dim {d} (a multiple of "
                          "them, none zero)")
     qf = q.reshape(B, Hkv, Hq // Hkv * T, d)  # [B, Hkv, G*T, d]: row g*T + t; a group shares its KV head
-    out = torch.ops.static_decode_cpu.decode_attention(qf, k, v, lens, n_new, T, 1.0 / math.sqrt(d))  # [B, Hkv, G*T, d]
+    scale = 1.0 / math.sqrt(d)
+    out = torch.ops.static_decode_cpu.decode_attention(qf, k, v, lens, n_new, T, scale, window or 0)  # [B, Hkv, G*T, d]
     return out.view(B, Hq, T, d)
 
 

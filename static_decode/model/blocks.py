@@ -1,21 +1,22 @@
 """The decoder blocks of a Llama-family model over the static KV cache, and the loop that runs them.
 
 RMSNorm, rotary GQA attention through the core (`cache.write`, `cache.layer_view`, `grouped_attention`), the
-SwiGLU MLP, and `step_attention` / `run_blocks`: one step's formulation and mask, resolved once and shared by every
-layer. Module names mirror transformers' decoder layers, so a checkpoint maps by name. Under tensor parallelism
-(`tp`) a block holds only its rank's slice of the attention and MLP weights and adds the partial sums of o_proj and
+SwiGLU MLP, and `step_attention` / `run_blocks`: one step's formulation and masks, resolved once and shared by every
+layer (one mask per distinct sliding window among the layers: a layer's window is its own, `Attention.window`).
+Module names mirror transformers' decoder layers, so a checkpoint maps by name. Under tensor parallelism (`tp`) a
+block holds only its rank's slice of the attention and MLP weights and adds the partial sums of o_proj and
 down_proj with one all-reduce each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from static_decode.core.attention import FRESH, StepMask, grouped_attention, resolve_impl, step_mask
+from static_decode.core.attention import FRESH, StepMask, check_window, grouped_attention, resolve_impl, step_mask
 from static_decode.core.cache import LayerSpan, StaticKVCache
 from static_decode.model import projection, rope
 from static_decode.model.config import LlamaConfig
@@ -49,7 +50,8 @@ def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torc
 
 class Attention(nn.Module):
     """Rotary GQA self-attention whose K/V live in the static cache (this rank's heads under `tp`); `fused`: q, k
-    and v are one `qkv_proj` (see static_decode.model.joining)."""
+    and v are one `qkv_proj` (see static_decode.model.joining); `window`: this layer's sliding window (None: every
+    earlier key; LlamaConfig.layer_window)."""
 
     def __init__(
         self,
@@ -59,8 +61,10 @@ class Attention(nn.Module):
         device: torch.device | str | None,
         tp: TensorParallel,
         fused: bool = True,
+        window: int | None = None,
     ) -> None:
         super().__init__()
+        self.window = check_window(window)
         # Local heads: whole GQA groups per rank (tp.check refused a world size that would split one).
         d, hq, hkv = cfg.head_dim, cfg.num_heads // tp.world, cfg.num_kv_heads // tp.world
         kw = {"dtype": dtype, "device": device}
@@ -126,7 +130,9 @@ class Attention(nn.Module):
         kv = cache.k.dtype  # the model's dtype, or the cache's own (Llama.kv_dtype): rounded once, here
         cache.write(layer, k.to(kv), v.to(kv), n_new)  # at the old lengths; padded slots go to the spare row
         k_all, v_all = cache.layer_view(layer, read_len)  # [B, Hkv, read_len, d] views
-        out = grouped_attention(q, k_all, v_all, lens_after, n_new, impl=impl, mask=mask)  # [B, Hq, T, d]
+        out = grouped_attention(
+            q, k_all, v_all, lens_after, n_new, impl=impl, mask=mask, window=self.window
+        )  # [B, Hq, T, d]
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)  # [B, T, Hq_local * d]
         return row_parallel(self.o_proj, out, self.tp)  # [B, T, D], summed over the ranks
 
@@ -174,7 +180,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)); `window`: its attention's sliding window."""
 
     def __init__(
         self,
@@ -184,12 +190,22 @@ class Block(nn.Module):
         device: torch.device | str | None,
         tp: TensorParallel,
         fused: bool = True,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = Attention(cfg, dtype=dtype, device=device, tp=tp, fused=fused)
+        self.self_attn = Attention(cfg, dtype=dtype, device=device, tp=tp, fused=fused, window=window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = MLP(cfg, dtype=dtype, device=device, tp=tp, fused=fused)
+
+
+# A step's masks by sliding window (None: the full causal layers), one for each window its layers have.
+StepMasks = Mapping[int | None, StepMask | None]
+
+
+def layer_windows(blocks: Iterable[Block]) -> tuple[int | None, ...]:
+    """The distinct sliding windows of `blocks`, in order of first appearance (None: full causal attention)."""
+    return tuple(dict.fromkeys(block.self_attn.window for block in blocks))
 
 
 def step_attention(
@@ -205,22 +221,31 @@ def step_attention(
     *,
     fresh: bool = False,
     skip: Sequence[str] = (),
-) -> tuple[str, StepMask | None]:
+    windows: Iterable[int | None] = (None,),
+) -> tuple[str, StepMasks]:
     """The formulation one step's attention runs (`attention.resolve_impl`: "auto" by device, batch, KV heads and
-    query rows) and its mask, built once and shared by the layers: FRESH for a fresh chunk (causal SDPA, no mask),
-    None where there is nothing to mask (flex and decode_kernel evaluate their own inside the kernel; no keys or
-    no slots), else `attention.step_mask` in the cache's dtype `kv_dtype`. `skip`: formulations resolved past."""
+    query rows) and its masks, one per sliding window in `windows` (the layers' `layer_windows`), each built once
+    and shared by the layers of that window: FRESH for a fresh chunk (causal SDPA, no mask) that fits in the
+    window, None where there is nothing to mask (flex and decode_kernel evaluate their own inside the kernel; no
+    keys or no slots), else `attention.step_mask` in the cache's dtype `kv_dtype`. `skip`: formulations resolved
+    past."""
     impl = resolve_impl(
         impl, lens_after.shape[0], kv_heads, groups * T, lens_after.device, head_dim, kv_dtype, groups=groups,
         skip=skip,
     )
-    if fresh:
-        return impl, FRESH
-    if impl in ("flex", "decode_kernel") or read_len <= 0 or T <= 0:
-        return impl, None
-    # The SDPA formulations run in the cache's dtype (grouped_attention casts the queries to it), so their additive
-    # mask is built in it.
-    return impl, step_mask(lens_after, n_new, T, read_len, groups=groups, dtype=kv_dtype, impl=impl)
+    masks: dict[int | None, StepMask | None] = {}
+    for window in dict.fromkeys(windows):
+        if fresh and (window is None or window >= T):
+            masks[window] = FRESH
+        elif impl in ("flex", "decode_kernel") or read_len <= 0 or T <= 0:
+            masks[window] = None
+        else:
+            # The SDPA formulations run in the cache's dtype (grouped_attention casts the queries to it), so their
+            # additive mask is built in it.
+            masks[window] = step_mask(
+                lens_after, n_new, T, read_len, groups=groups, dtype=kv_dtype, impl=impl, window=window
+            )
+    return impl, masks
 
 
 def run_blocks(
@@ -233,12 +258,16 @@ def run_blocks(
     lens_after: torch.Tensor,
     read_len: int,
     impl: str,
-    mask: StepMask | None,
+    masks: StepMasks,
 ) -> torch.Tensor:
     """x [B, T, D] through `blocks` in order; block j writes and reads layer j of `kv` (the whole cache for the
-    whole model, a `LayerSpan` for a region of it). The unit capture.regions compiles apart."""
+    whole model, a `LayerSpan` for a region of it) through the mask of its window (`step_attention` built `masks`
+    for the blocks' `layer_windows`). The unit capture.regions compiles apart."""
     for j, block in enumerate(blocks):
         h = block.input_layernorm(x)
+        if block.self_attn.window not in masks:
+            raise ValueError(f"no step mask for window {block.self_attn.window!r}: built for {tuple(masks)}")
+        mask = masks[block.self_attn.window]
         x = x + block.self_attn(h, cos, sin, kv, j, n_new, lens_after, read_len, impl, mask)
         x = x + block.mlp(block.post_attention_layernorm(x))
     return x

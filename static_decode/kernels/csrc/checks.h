@@ -41,11 +41,19 @@ inline at::Tensor lengths(const at::Tensor& t, int64_t count, const char* op, co
   return t.contiguous();
 }
 
+// A sliding window argument: 0 (none) or the keys a query sees, >= 1.
+inline void check_window(int64_t window, const char* op, const char* name) {
+  TORCH_CHECK(window >= 0, op, ": ", name, " = ", window, " (0 for no sliding window, else the keys a query sees)");
+}
+
 // decode_attention's arguments: q [B, H, M, d], k/v [B, H, S, d] with rows of d contiguous, lens/n_new [B] int64
-// with 0 <= n_new[b] <= slots and n_new[b] <= lens[b] <= S (the bounds static_decode.reference refuses outside).
+// with 0 <= n_new[b] <= slots and n_new[b] <= lens[b] <= S (the bounds static_decode.reference refuses outside),
+// window >= 0.
 inline void check_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const at::Tensor& lens, const at::Tensor& n_new, int64_t slots) {
+                                   const at::Tensor& lens, const at::Tensor& n_new, int64_t slots,
+                                   int64_t window = 0) {
   constexpr const char* op = "decode_attention";
+  check_window(window, op, "window");
   check_cpu(q, op, "q");
   check_cpu(k, op, "k");
   check_cpu(v, op, "v");

@@ -14,6 +14,10 @@
 //
 // Masking (rule 3): row m = g*T + t is slot t of its row; it sees keys 0..lens[b] - n_new[b] + t, a prefix, and none
 // when t >= n_new[b] (a padded slot returns exact zeros). Keys past the longest visible prefix are never read.
+// A sliding window of W keys (window > 0; 0: none) makes it the band pos - W < j <= pos: a row's work items then
+// cover only keys from its slot 0's oldest visible key on, so keys before every slot's window are never read and a
+// windowed layer's cost stops growing at W; the few keys of the band's first block before a row's own start are
+// masked after scoring. Off, the band's start is 0 and nothing else changes.
 #include <torch/library.h>
 
 #include "attention_avx512.h"
@@ -116,9 +120,10 @@ inline void accumulate_rows(const int64_t* rows, int64_t r, float* acc, const fl
 
 // One work item: keys [s0, s1) of KV head (b, h) for its M query rows; leaves the unnormalised output acc [M, d],
 // the running max mx [M] and sum l [M] (l == 0: no visible key in this split).
+// first: each row's oldest visible key (a sliding window), or nullptr (every key from 0).
 template <typename T, int NX>
 void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, const T* v, int64_t vs, int64_t s0,
-                int64_t s1, const int64_t* limit, float scale, float* acc, float* mx, float* l) {
+                int64_t s1, const int64_t* limit, const int64_t* first, float scale, float* acc, float* mx, float* l) {
   constexpr int64_t d = NX * Vec::size();
   alignas(64) float kbuf[kBlock * d];  // the key rows widened to float32 where they are scored by FMAs
   alignas(64) float s[kMaxRows * kBlock];
@@ -147,6 +152,10 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
 #else
       scores<NX>(q, M, kb, n, j0, limit, scale, s);
 #endif
+    }
+    if (first != nullptr) {  // the window's lower bound: keys before a row's first are masked like those past it
+      for (int64_t m = 0; m < M; ++m)
+        if (first[m] > j0) std::fill(s + m * kBlock, s + m * kBlock + std::min(n, first[m] - j0), kNegInf);
     }
     int64_t na = 0;  // rows with a visible key in this block
     for (int64_t m = 0; m < M; ++m) {
@@ -187,10 +196,14 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
   }
 }
 
+// The oldest key the query at `pos` sees through a window of `window` keys (pos - window < j), at least 0.
+inline int64_t window_start(int64_t pos, int64_t window) { return std::max<int64_t>(0, pos - window + 1); }
+
 // Every work item's partial result: part [B*H, nsplit, M*(d+2)] holds acc [M, d], mx [M], l [M] per item.
 template <typename T, int NX>
 void attend(const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor& v, const int64_t* lens, const int64_t* n_new,
-            int64_t B, int64_t H, int64_t M, int64_t slots, int64_t nsplit, int64_t split, float scale, float* part) {
+            int64_t window, int64_t B, int64_t H, int64_t M, int64_t slots, int64_t nsplit, int64_t split, float scale,
+            float* part) {
   constexpr int64_t d = NX * Vec::size();
   const int64_t S = k.size(2);
   const T* kp = k.data_ptr<T>();
@@ -199,16 +212,21 @@ void attend(const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor&
     for (int64_t item = begin; item < end; ++item) {
       const int64_t c = item % nsplit, h = (item / nsplit) % H, b = item / nsplit / H;
       int64_t limit[kMaxRows];
+      int64_t first[kMaxRows];
       int64_t visible = 0;
       for (int64_t m = 0; m < M; ++m) {
         const int64_t t = m % slots;
         limit[m] = t < n_new[b] ? std::clamp<int64_t>(lens[b] - n_new[b] + t + 1, 0, S) : 0;
         visible = std::max(visible, limit[m]);
+        if (window > 0) first[m] = window_start(lens[b] - n_new[b] + t, window);
       }
+      // The row's keys start at its slot 0's window (0 without one): the items split [lo, visible).
+      const int64_t lo = window > 0 ? window_start(lens[b] - n_new[b], window) : 0;
       float* acc = part + item * M * (d + 2);
       split_item<T, NX>(qp + (b * H + h) * M * d, bf16_q, M, kp + b * k.stride(0) + h * k.stride(1), k.stride(2),
-                        vp + b * v.stride(0) + h * v.stride(1), v.stride(2), c * split,
-                        std::min(visible, (c + 1) * split), limit, scale, acc, acc + M * d, acc + M * d + M);
+                        vp + b * v.stride(0) + h * v.stride(1), v.stride(2), lo + c * split,
+                        std::min(visible, lo + (c + 1) * split), limit, window > 0 ? first : nullptr, scale, acc,
+                        acc + M * d, acc + M * d + M);
     }
   });
 }
@@ -252,11 +270,11 @@ void combine(const float* part, int64_t BH, int64_t M, int64_t d, int64_t nsplit
 // attend<T, d / Vec::size()> for the head sizes with code (checks.h, kHeadDims): one instantiation each.
 template <typename T, int D>
 bool attend_if(int64_t d, const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor& v,
-               const int64_t* lens, const int64_t* n_new, int64_t B, int64_t H, int64_t M, int64_t slots,
-               int64_t nsplit, int64_t split, float scale, float* part) {
+               const int64_t* lens, const int64_t* n_new, int64_t window, int64_t B, int64_t H, int64_t M,
+               int64_t slots, int64_t nsplit, int64_t split, float scale, float* part) {
   if constexpr (D % Vec::size() == 0) {
     if (d == D) {
-      attend<T, D / Vec::size()>(qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, split, scale, part);
+      attend<T, D / Vec::size()>(qp, bf16_q, k, v, lens, n_new, window, B, H, M, slots, nsplit, split, scale, part);
       return true;
     }
   }
@@ -265,24 +283,27 @@ bool attend_if(int64_t d, const float* qp, bool bf16_q, const at::Tensor& k, con
 
 template <typename T, int... Ds>
 bool dispatch_d(std::integer_sequence<int, Ds...>, const float* qp, bool bf16_q, const at::Tensor& k,
-                const at::Tensor& v, const int64_t* lens, const int64_t* n_new, int64_t B, int64_t H, int64_t M,
-                int64_t slots, int64_t nsplit, int64_t split, float scale, float* part) {
-  return (attend_if<T, Ds>(k.size(3), qp, bf16_q, k, v, lens, n_new, B, H, M, slots, nsplit, split, scale, part) ||
+                const at::Tensor& v, const int64_t* lens, const int64_t* n_new, int64_t window, int64_t B, int64_t H,
+                int64_t M, int64_t slots, int64_t nsplit, int64_t split, float scale, float* part) {
+  return (attend_if<T, Ds>(k.size(3), qp, bf16_q, k, v, lens, n_new, window, B, H, M, slots, nsplit, split, scale,
+                           part) ||
           ...);
 }
 using HeadDims = std::integer_sequence<int, 8, 16, 32, 48, 64, 80, 96, 128, 256>;  // checks.h's kHeadDims
 
 // How the key axis is split into work items: (items per KV head, keys per item). The keys split evenly over the
-// longest visible prefix (not the read bucket, which may hold far more keys than any row sees), in items of at most
+// longest visible span (not the read bucket, which may hold far more keys than any row sees; under a sliding window
+// a row's span starts at its slot 0's window, so it is at most window + slots - 1 keys), in items of at most
 // kSplit keys, and into more items where that makes the count a multiple of the threads, as long as an item keeps a
 // block of keys: 3 KV heads on 2 threads were 3 items (2 on one thread, 1 on the other) or 9 unequal ones; now 6
 // or 12 equal ones, so neither thread waits for the other.
-std::pair<int64_t, int64_t> plan_splits(const int64_t* lens, const int64_t* n_new, int64_t B, int64_t H, int64_t slots,
-                                        int64_t S, int64_t threads) {
-  int64_t visible = 0;  // the longest prefix any query row sees
+std::pair<int64_t, int64_t> plan_splits(const int64_t* lens, const int64_t* n_new, int64_t window, int64_t B,
+                                        int64_t H, int64_t slots, int64_t S, int64_t threads) {
+  int64_t visible = 0;  // the longest span of keys any row's query rows see
   for (int64_t b = 0; b < B; ++b)
     if (n_new[b] > 0)
-      visible = std::max(visible, std::clamp<int64_t>(lens[b] - n_new[b] + std::min(slots, n_new[b]), 0, S));
+      visible = std::max(visible, std::clamp<int64_t>(lens[b] - n_new[b] + std::min(slots, n_new[b]), 0, S) -
+                                      (window > 0 ? window_start(lens[b] - n_new[b], window) : 0));
   int64_t nsplit = std::max<int64_t>(1, (visible + kSplit - 1) / kSplit);
   while ((B * H * nsplit) % std::max<int64_t>(threads, 1) != 0 && visible / (nsplit + 1) >= kBlock) ++nsplit;
   const int64_t split = std::max<int64_t>(16, ((visible + nsplit - 1) / nsplit + 15) / 16 * 16);  // whole 16-key groups
@@ -290,14 +311,14 @@ std::pair<int64_t, int64_t> plan_splits(const int64_t* lens, const int64_t* n_ne
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
-                            const at::Tensor& n_new, int64_t slots, double scale) {
-  static_decode_kernels::check_decode_attention(q, k, v, lens, n_new, slots);  // before anything is read
+                            const at::Tensor& n_new, int64_t slots, double scale, int64_t window) {
+  static_decode_kernels::check_decode_attention(q, k, v, lens, n_new, slots, window);  // before anything is read
   const int64_t B = q.size(0), H = q.size(1), M = q.size(2), S = k.size(2), d = q.size(3);
   auto lc = lens.contiguous();
   auto nc = n_new.contiguous();
   const int64_t* lp = lc.data_ptr<int64_t>();
   const int64_t* np = nc.data_ptr<int64_t>();
-  const auto [nsplit, split] = plan_splits(lp, np, B, H, slots, S, at::get_num_threads());
+  const auto [nsplit, split] = plan_splits(lp, np, window, B, H, slots, S, at::get_num_threads());
   auto qc = q.contiguous();
   auto out = at::empty(qc.sizes(), qc.options());
   // The queries in float32 (the kernel's math) and the items' partial results in one host buffer.
@@ -314,13 +335,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   bool done = false;
   switch (k.scalar_type()) {
     case at::kFloat:
-      done = dispatch_d<float>(HeadDims{}, qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, split, sc, part);
+      done = dispatch_d<float>(HeadDims{}, qf, bf16_q, k, v, lp, np, window, B, H, M, slots, nsplit, split, sc,
+                               part);
       break;
     case at::kBFloat16:
-      done = dispatch_d<at::BFloat16>(HeadDims{}, qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, split, sc, part);
+      done = dispatch_d<at::BFloat16>(HeadDims{}, qf, bf16_q, k, v, lp, np, window, B, H, M, slots, nsplit, split,
+                                      sc, part);
       break;
     case at::kHalf:
-      done = dispatch_d<at::Half>(HeadDims{}, qf, bf16_q, k, v, lp, np, B, H, M, slots, nsplit, split, sc, part);
+      done = dispatch_d<at::Half>(HeadDims{}, qf, bf16_q, k, v, lp, np, window, B, H, M, slots, nsplit, split, sc,
+                                  part);
       break;
     default: break;
   }
@@ -333,7 +357,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 // Shapes only, for tracing (torch.compile's fake tensors).
 at::Tensor decode_attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& lens, const at::Tensor& n_new, int64_t slots, double scale) {
+                                 const at::Tensor& lens, const at::Tensor& n_new, int64_t slots, double scale,
+                                 int64_t window) {
   return at::empty_like(q);
 }
 
@@ -341,12 +366,13 @@ at::Tensor decode_attention_meta(const at::Tensor& q, const at::Tensor& k, const
 
 at::Tensor static_decode_kernels::decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                    const at::Tensor& lens, const at::Tensor& n_new, int64_t slots,
-                                                   double scale) {
-  return ::decode_attention(q, k, v, lens, n_new, slots, scale);
+                                                   double scale, int64_t window) {
+  return ::decode_attention(q, k, v, lens, n_new, slots, scale, window);
 }
 
 TORCH_LIBRARY(static_decode_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, Tensor n_new, int slots, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, Tensor n_new, int slots, float scale, "
+        "int window=0) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(static_decode_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
 TORCH_LIBRARY_IMPL(static_decode_cpu, Meta, m) { m.impl("decode_attention", &decode_attention_meta); }

@@ -15,6 +15,9 @@
 // (gemv_bf16_glu's). A bfloat16 model's layers come out as eager's, bit for bit in the tests (only the norm's sum
 // of squares runs in another order than torch's mean, which can move a value by its last bit); float32 ones differ
 // by the products' summation order (MKL's against ours), ~1e-7 relative.
+//
+// Sliding windows: `windows` holds one per layer (0: that layer attends every key; empty: none slides), passed to
+// the attention, which then reads only the keys inside each layer's window.
 #include <torch/library.h>
 
 #include "checks.h"
@@ -160,7 +163,8 @@ void rotate(float* y, int64_t heads, int64_t d, const S* cos, const S* sin) {
 template <typename S>
 at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k, at::Tensor& v,
                   const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after, int64_t read_len,
-                  at::TensorList w, const std::vector<static_decode_kernels::QuantMat>& quant, double eps) {
+                  at::TensorList w, const std::vector<static_decode_kernels::QuantMat>& quant, double eps,
+                  at::IntArrayRef windows) {
   const int64_t L = k.size(0), Hkv = k.size(2), d = k.size(4), D = x.size(-1);
   const int64_t Nq = w[kQ].size(0), Nkv = w[kK].size(0), inner = w[kGate].size(0), Hq = Nq / d, G = Hq / Hkv;
   const int64_t max_len = k.size(3) - 1;  // the spare row past max_len takes a padded slot (cache.SPARE_ROWS)
@@ -206,7 +210,9 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     });
     const auto kl = k.select(0, l).slice(2, 0, read_len);  // [1, Hkv, read_len, d] views
     const auto vl = v.select(0, l).slice(2, 0, read_len);
-    const auto att = static_decode_kernels::decode_attention(q, kl, vl, lens_after, n_new, 1, scale);  // [1, Hkv, G, d]
+    const int64_t window = windows.empty() ? 0 : windows[l];
+    const auto att =
+        static_decode_kernels::decode_attention(q, kl, vl, lens_after, n_new, 1, scale, window);  // [1, Hkv, G, d]
     products<S>(att.data_ptr<S>(), Nq, {mat(kO, D, o.data())}, row);
     for (int64_t i = 0; i < D; ++i) xs[i] = rnd<S>(xs[i] + rnd<S>(o[i]));
     rms_norm<S>(xs.data(), ptr(kPostNorm), D, eps, h.data());
@@ -231,11 +237,11 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 // Everything `layers` indexes with, before the cache is written (rule 6): devices, dtypes, shapes, strides, no zero
 // size, every layer's weights the shapes of the first's (the buffers are sized by it), the head size the attention
 // has code for, and the lengths: n_new 0 or 1, lens_after = lens + n_new <= read_len <= max_len (the write at lens
-// stays inside the cache's rows, the attention inside the read).
+// stays inside the cache's rows, the attention inside the read); the windows: none or one per layer, each >= 0.
 std::vector<static_decode_kernels::QuantMat> check_layers(
     const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after, int64_t read_len,
-    at::TensorList weights, at::TensorList scales, int64_t group) {
+    at::TensorList weights, at::TensorList scales, int64_t group, at::IntArrayRef windows) {
   using static_decode_kernels::check_cpu;
   constexpr const char* op = "decode_layers";
   for (const auto& [t, name] : {std::pair{&x, "x"}, {&cos, "cos"}, {&sin, "sin"}, {&k, "k"}, {&v, "v"}})
@@ -253,6 +259,12 @@ std::vector<static_decode_kernels::QuantMat> check_layers(
               " weights for ", k.size(0), " layers (", kPerLayer, " a layer)");
   TORCH_CHECK(read_len >= 1 && read_len <= k.size(3) - 1, "decode_layers: read_len ", read_len, " outside 1..",
               k.size(3) - 1);
+  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == k.size(0), "decode_layers: ",
+              windows.size(), " windows for ", k.size(0), " layers (none, or one a layer)");
+  for (size_t l = 0; l < windows.size(); ++l) {
+    const std::string name = "windows[" + std::to_string(l) + "]";
+    static_decode_kernels::check_window(windows[l], op, name.c_str());
+  }
   const int64_t Hkv = k.size(2), d = k.size(4), D = x.size(2), max_len = k.size(3) - 1;
   TORCH_CHECK(static_decode_kernels::head_dim_supported(d), "decode_layers: head_dim ", d, " is not supported");
   TORCH_CHECK(cos.numel() == d / 2 && sin.numel() == d / 2 && cos.is_contiguous() && sin.is_contiguous() &&
@@ -306,25 +318,29 @@ std::vector<static_decode_kernels::QuantMat> check_layers(
 
 at::Tensor run_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k, at::Tensor& v,
                       const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after, int64_t read_len,
-                      at::TensorList weights, at::TensorList scales, int64_t group, double eps) {
-  const auto quant = check_layers(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, scales, group);
+                      at::TensorList weights, at::TensorList scales, int64_t group, double eps,
+                      at::IntArrayRef windows) {
+  const auto quant =
+      check_layers(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, scales, group, windows);
   switch (x.scalar_type()) {
     case at::kFloat:
-      return layers<float>(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, quant, eps);
+      return layers<float>(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, quant, eps, windows);
 #if defined(__AVX512BF16__)
     case at::kBFloat16:
-      return layers<at::BFloat16>(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, quant, eps);
+      return layers<at::BFloat16>(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, quant, eps,
+                                  windows);
 #endif
     default: TORCH_CHECK(false, "decode_layers: model dtype ", x.scalar_type(), " is not supported here");
   }
 }
 
 // x [1, 1, D]; cos/sin [1, 1, 1, d/2]; k/v [L, 1, Hkv, max_len + 1, d] (the layers' cache, written at the old
-// length); lens (old) / n_new / lens_after [1] int64; weights: kPerLayer per layer. Returns x after the L layers.
+// length); lens (old) / n_new / lens_after [1] int64; weights: kPerLayer per layer; windows: each layer's sliding
+// window (0: none), or empty. Returns x after the L layers.
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
                          at::Tensor& v, const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after,
-                         int64_t read_len, at::TensorList weights, double eps) {
-  return run_layers(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, {}, -1, eps);
+                         int64_t read_len, at::TensorList weights, double eps, at::IntArrayRef windows) {
+  return run_layers(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, {}, -1, eps, windows);
 }
 
 // The same for quantized projections (static_decode/quant.py): `weights` holds each projection's codes (qweight) in
@@ -333,21 +349,22 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
 at::Tensor decode_layers_q(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
                            at::Tensor& v, const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after,
                            int64_t read_len, at::TensorList weights, at::TensorList scales, int64_t group,
-                           double eps) {
+                           double eps, at::IntArrayRef windows) {
   TORCH_CHECK(group >= 0, "decode_layers_q: group ", group, " (0 for int8; 32, 64 or 128 for int4)");
-  return run_layers(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, scales, group, eps);
+  return run_layers(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, scales, group, eps, windows);
 }
 
 at::Tensor decode_layers_meta(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
                               at::Tensor& v, const at::Tensor& lens, const at::Tensor& n_new,
-                              const at::Tensor& lens_after, int64_t read_len, at::TensorList weights, double eps) {
+                              const at::Tensor& lens_after, int64_t read_len, at::TensorList weights, double eps,
+                              at::IntArrayRef windows) {
   return at::empty_like(x);
 }
 
 at::Tensor decode_layers_q_meta(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
                                 at::Tensor& v, const at::Tensor& lens, const at::Tensor& n_new,
                                 const at::Tensor& lens_after, int64_t read_len, at::TensorList weights,
-                                at::TensorList scales, int64_t group, double eps) {
+                                at::TensorList scales, int64_t group, double eps, at::IntArrayRef windows) {
   return at::empty_like(x);
 }
 
@@ -355,9 +372,10 @@ at::Tensor decode_layers_q_meta(const at::Tensor& x, const at::Tensor& cos, cons
 
 TORCH_LIBRARY_FRAGMENT(static_decode_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor lens, Tensor n_new, "
-        "Tensor lens_after, int read_len, Tensor[] weights, float eps) -> Tensor");
+        "Tensor lens_after, int read_len, Tensor[] weights, float eps, int[] windows=[]) -> Tensor");
   m.def("decode_layers_q(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor lens, Tensor n_new, "
-        "Tensor lens_after, int read_len, Tensor[] weights, Tensor[] scales, int group, float eps) -> Tensor");
+        "Tensor lens_after, int read_len, Tensor[] weights, Tensor[] scales, int group, float eps, "
+        "int[] windows=[]) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(static_decode_cpu, CPU, m) {
   m.impl("decode_layers", &decode_layers);

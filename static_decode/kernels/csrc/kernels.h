@@ -10,9 +10,10 @@
 namespace static_decode_kernels {
 
 // decode_attention.cpp: q [B, Hkv, M, d] (M = G * slots query rows per KV head), k/v [B, Hkv, S, d] (rows
-// contiguous), lens (counting the chunk) / n_new [B] int64 -> [B, Hkv, M, d] in q's dtype.
+// contiguous), lens (counting the chunk) / n_new [B] int64, a sliding window of `window` keys (0: none)
+// -> [B, Hkv, M, d] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
-                            const at::Tensor& n_new, int64_t slots, double scale);
+                            const at::Tensor& n_new, int64_t slots, double scale, int64_t window);
 
 #if defined(__AVX512BF16__)
 // gemv_bf16.cpp: rows [n0, n1) of bfloat16 W [N, K] times the bfloat16 row x [K], float32 sums into y[n0..n1).
