@@ -226,3 +226,24 @@ def test_the_cut_shape_through_llama_cpp(shapes, tmp_path):
     facts = read_gguf(tmp_path / "model-Q8_0.gguf")
     params = shapes.parameter_count(shapes.hf_config(shape, 96))
     assert facts.file_type == "Q8_0" and params < facts.tensor_bytes < 2 * params  # ~8.5 bits a weight
+
+
+def test_llama_cpp_s_floor_counts_one_embedding_row_of_an_untied_model(shapes, tmp_path):
+    """A cut Llama-3.1-8B (its own LM head): llama.cpp's weight bytes in the bench are the GGUF's tensors less the
+    embedding but one row, as static-decode's own count (read_bytes) leaves it, plus the converter's rope_freqs."""
+    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("sentencepiece") is None:
+        pytest.skip("llama-cpp-python or sentencepiece not installed (pip install -e '.[llamacpp,real]')")
+    from static_decode import load_model
+    from static_decode.commands.bench.lineup import read_gguf
+    from static_decode.model.quant import read_bytes
+
+    shape = shapes.cut(shapes.SHAPES["Llama-3.1-8B"], layers=1, hidden=64)
+    shapes.write_checkpoint(tmp_path, shape, "float32", 2, None, 96)
+    _tiny_sentencepiece(tmp_path, 96)
+    shapes.smollm2.write_ggufs(tmp_path, "float32", ["f32"], shapes.smollm2.DEFAULT_CACHE)
+    facts = read_gguf(tmp_path / "model-f32.gguf")
+    params = shapes.parameter_count(shapes.hf_config(shape, 96))
+    rope_freqs = 4 * shape.head_dim // 2  # llama3 rope scaling: one float32 factor per rotated pair
+    assert facts.tensor_bytes == 4 * (params - 95 * 64) + rope_freqs
+    assert facts.tensor_bytes == read_bytes(load_model(tmp_path, dtype=torch.float32)) + rope_freqs
+    assert "less the embedding but one row" in facts.counted

@@ -70,9 +70,28 @@ def read_gguf(path: Path) -> GGUFFacts:
         n = llama_cpp.llama_model_meta_val_str(model, b"general.file_type", buf, len(buf))
         code = buf.value.decode() if n > 0 else ""
         file_type = file_type_name(int(code)) if code.isdigit() else None
-        return GGUFFacts(file_type, int(llama_cpp.llama_model_size(model)), "llama_model_size (GGUF tensor bytes)")
+        size = int(llama_cpp.llama_model_size(model))
     finally:
         llama_cpp.llama_model_free(model)
+    unread = embedding_unread(path)
+    if unread:
+        return GGUFFacts(file_type, size - unread, "llama_model_size (GGUF tensor bytes) less the embedding "
+                                                   "but one row (the head has its own weights)")
+    return GGUFFacts(file_type, size, "llama_model_size (GGUF tensor bytes)")
+
+
+def embedding_unread(path: Path) -> int:
+    """Bytes of the GGUF's token_embd a decode step does not read: all but one row where an `output.weight` (an
+    untied head) is there, as static_decode.model.quant.read_bytes counts; 0 for a tied head (token_embd is the
+    head, read whole). Its tensor table is read with the `gguf` package (no data is read)."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    embed = tensors.get("token_embd.weight")
+    if embed is None or "output.weight" not in tensors:
+        return 0
+    rows = int(embed.shape[-1])  # GGUF lists dims innermost first: (hidden, vocab)
+    return int(embed.n_bytes) - int(embed.n_bytes) // rows
 
 
 @dataclass(frozen=True)
