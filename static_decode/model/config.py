@@ -11,8 +11,9 @@ One decoder covers several transformers architectures; what differs between them
   embedding, `head_dim` explicit (transformers' default 128 when absent, not hidden_size // heads); its
   sliding window follows Qwen2's rules.
 
-The static cache attends every cached key, so a sliding window is exact only while it covers the whole cache:
-`check_max_len` refuses a max_len larger than the window.
+A sliding window is a mask, not a bound on the cache: a layer with window W lets the query at position i see keys
+i - W < j <= i (transformers' convention), whatever max_len is. The window is per layer (`layer_windows`): Mistral
+slides every layer, Qwen2/Qwen3 the layers `layer_types` or `max_window_layers` name.
 
 Two config.json styles exist for the rotary embedding and both are read:
 
@@ -68,6 +69,9 @@ class LlamaConfig:
     mlp_bias: bool = False  # gate/up/down projections carry a bias (Llama with mlp_bias)
     qk_norm: bool = False  # RMSNorm over head_dim on every q and k head, before the rotary embedding (Qwen3)
     sliding_window: int | None = None  # keys a query sees on the sliding layers; None: full causal attention
+    # Which layers slide (Qwen2/Qwen3's layer_types or max_window_layers), one bool a layer; None: every layer does
+    # when sliding_window is set.
+    sliding_layers: tuple[bool, ...] | None = None
     architecture: str = "LlamaForCausalLM"  # the transformers class this config was read for (informational)
     eos_token_ids: tuple[int, ...] = ()  # ids that end a sequence (generation_config.json or config.json)
 
@@ -103,6 +107,15 @@ class LlamaConfig:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.sliding_window is not None:
             check_int("sliding_window", self.sliding_window, minimum=1)
+        if self.sliding_layers is not None:
+            layers = tuple(self.sliding_layers) if isinstance(self.sliding_layers, list | tuple) else None
+            if layers is None or len(layers) != self.num_layers or not all(isinstance(x, bool) for x in layers):
+                raise ValueError(
+                    f"sliding_layers must be None or {self.num_layers} bools (one a layer), got {self.sliding_layers!r}"
+                )
+            if self.sliding_window is None:
+                raise ValueError("sliding_layers names sliding layers but sliding_window is None")
+            object.__setattr__(self, "sliding_layers", layers)
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r} is not one of {', '.join(ARCHITECTURES)}")
         if not isinstance(self.rope, RopeConfig):
@@ -119,20 +132,25 @@ class LlamaConfig:
         """Query heads per KV head (G)."""
         return self.num_heads // self.num_kv_heads
 
-    def check_max_len(self, max_len: int) -> None:
-        """Refuse a cache longer than the sliding window (before anything is allocated).
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer` (None: it attends every earlier key)."""
+        check_int("layer", layer, minimum=0)
+        if layer >= self.num_layers:
+            raise ValueError(f"layer={layer} must be below num_layers={self.num_layers}")
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
 
-        transformers' window lets a query at position i see keys i - sliding_window < j <= i; the static cache
-        lets it see every key 0..i. The two agree for every position of a cache of max_len tokens exactly when
-        sliding_window >= max_len; past that the model would attend keys it was trained never to see."""
-        if self.sliding_window is None:
-            return  # no window: any length (StaticKVCache checks the value itself, with its own wording)
-        if check_int("max_len", max_len, minimum=1) > self.sliding_window:
-            raise ValueError(
-                f"{self.architecture} attends through sliding_window={self.sliding_window} (config.json key "
-                f"'sliding_window'), smaller than max_len={max_len}: the static cache attends every cached key, "
-                f"so it matches the model only while max_len <= {self.sliding_window}; use a smaller max_len"
-            )
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Every layer's sliding window, in order (None where a layer attends every earlier key)."""
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
+
+    def check_max_len(self, max_len: int) -> None:
+        """Check a cache length before anything is allocated: any int >= 1. A sliding window is the attention's
+        mask (each windowed layer sees the last sliding_window keys), not a bound on the cache, so every length
+        is exact."""
+        check_int("max_len", max_len, minimum=1)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
@@ -204,36 +222,42 @@ def _family_switches(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         return {"sliding_window": hf.get("sliding_window")}
     if arch == "Qwen2ForCausalLM":
         # Qwen2 hard-codes biases on q/k/v and none on o_proj or the MLP.
-        return {"qkv_bias": True, "sliding_window": _qwen_window(hf)}
+        return {"qkv_bias": True, **_qwen_window(hf)}
     attn = _flag(hf, "attention_bias")  # Qwen3ForCausalLM
-    return {"qkv_bias": attn, "o_bias": attn, "qk_norm": True, "sliding_window": _qwen_window(hf)}
+    return {"qkv_bias": attn, "o_bias": attn, "qk_norm": True, **_qwen_window(hf)}
 
 
-def _qwen_window(hf: dict[str, Any]) -> int | None:
-    """Qwen2/Qwen3's sliding window, or None when no layer slides.
+def _qwen_window(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2/Qwen3's sliding window and the layers it applies to (`sliding_window`, `sliding_layers`), both None
+    when no layer slides.
 
     transformers nulls `sliding_window` unless `use_sliding_window` is true (released Qwen checkpoints ship
     `use_sliding_window: false` next to a `sliding_window` smaller than their context: no window), and then
     slides the layers `layer_types` marks (5.x files), else the layers from `max_window_layers` on (4.x files,
-    default 28). One window for the sliding layers suffices here: check_max_len refuses any window that
-    would change a result, whichever layers have it."""
+    default 28)."""
     window = hf.get("sliding_window")
+    none = {"sliding_window": None, "sliding_layers": None}
     if not _flag(hf, "use_sliding_window") or window is None:
-        return None
+        return none
+    layers = hf["num_hidden_layers"]
     layer_types = hf.get("layer_types")
     if layer_types is not None:
-        if not isinstance(layer_types, list) or any(t not in LAYER_TYPES for t in layer_types):
+        if (
+            not isinstance(layer_types, list)
+            or any(t not in LAYER_TYPES for t in layer_types)
+            or len(layer_types) != layers
+        ):
             raise ValueError(
-                f"unsupported config.json key 'layer_types' {layer_types!r}: entries must be one of "
-                f"{', '.join(LAYER_TYPES)}"
+                f"unsupported config.json key 'layer_types' {layer_types!r}: {layers} entries (one a layer), each "
+                f"one of {', '.join(LAYER_TYPES)}"
             )
-        sliding = "sliding_attention" in layer_types
+        sliding = tuple(t == "sliding_attention" for t in layer_types)
     else:
         first = hf.get("max_window_layers", 28)
         if isinstance(first, bool) or not isinstance(first, int):
             raise ValueError(f"config.json key 'max_window_layers' must be an int, got {first!r}")
-        sliding = first < hf["num_hidden_layers"]
-    return window if sliding else None
+        sliding = tuple(i >= first for i in range(layers) if isinstance(layers, int))
+    return {"sliding_window": window, "sliding_layers": sliding} if any(sliding) else none
 
 
 def eos_ids(value: Any, where: str) -> tuple[int, ...]:

@@ -2,7 +2,8 @@
 
 Why: the products already read the weights at the memory's rate; what is left is the dispatch and glue around each
 layer's ~15 kernels, which one call removes (docs/internals.md#fused-decode). The cache is written in place at the
-row's length and attention is the decode kernel's over the read bucket.
+row's length and attention is the decode kernel's over the read bucket, each layer through its own sliding window
+where it has one (the kernel then reads only the window's keys).
 
 Where: capture.regions calls it in place of a compiled layer region for steps of one row and one slot, where
 `unsupported` finds nothing against it; every other step (prefill chunks, batches, verify steps) and every other
@@ -116,6 +117,9 @@ class FusedLayers:
         schemes = projection_formats(model) - {None}
         scheme = next(iter(schemes)) if len(schemes) == 1 else None  # one format (`unsupported` says why not)
         self.group = -1 if scheme is None else scheme.group  # -1: float; 0: int8; else the int4 group
+        # Each layer's sliding window for the kernel (0: none); empty when no layer of the span slides.
+        windows = [block.self_attn.window or 0 for block in model.layers[start:stop]]
+        self.windows = windows if any(windows) else []
 
     def __call__(
         self,
@@ -134,9 +138,9 @@ class FusedLayers:
         if self.group >= 0:
             return torch.ops.static_decode_cpu.decode_layers_q(
                 x.contiguous(), cos.contiguous(), sin.contiguous(), k, v, lens, n_new, lens_after, int(read_len),
-                self.weights, self.scales, self.group, self.eps,
+                self.weights, self.scales, self.group, self.eps, self.windows,
             )  # [1, 1, D]
         return torch.ops.static_decode_cpu.decode_layers(
             x.contiguous(), cos.contiguous(), sin.contiguous(), k, v, lens, n_new, lens_after, int(read_len),
-            self.weights, self.eps,
+            self.weights, self.eps, self.windows,
         )  # [1, 1, D]

@@ -25,7 +25,7 @@ from torch import nn
 from static_decode.core.attention import CHOICES, DEFAULT_IMPL, IMPLS
 from static_decode.core.cache import IntsLike, StaticKVCache
 from static_decode.model import projection, rope
-from static_decode.model.blocks import Block, LayerRunner, RMSNorm, run_blocks, step_attention
+from static_decode.model.blocks import Block, LayerRunner, RMSNorm, layer_windows, run_blocks, step_attention
 from static_decode.model.config import LlamaConfig
 from static_decode.model.parallel import SINGLE, TensorParallel
 
@@ -87,7 +87,8 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)  # replicated
         self.fused_projections = fused_projections
         self.layers = nn.ModuleList(
-            Block(config, **kw, tp=tp, fused=fused_projections) for _ in range(config.num_layers)
+            Block(config, **kw, tp=tp, fused=fused_projections, window=config.layer_window(i))
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.lm_head = (
@@ -142,8 +143,8 @@ class Llama(nn.Module):
         self._kv_dtype = dtype
 
     def check_max_len(self, max_len: int) -> None:
-        """Refuse a cache length this model cannot attend over exactly (a sliding window shorter than max_len),
-        naming `sliding_window` and both numbers; allocates nothing."""
+        """Check a cache length before anything is allocated (LlamaConfig.check_max_len: a sliding window is a
+        mask, so any length is exact)."""
         self.config.check_max_len(max_len)
 
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
@@ -181,7 +182,7 @@ class Llama(nn.Module):
             groups = self.config.num_heads // self.config.num_kv_heads
             impl, mask = step_attention(
                 self.attn_impl, groups, cache.kv_heads, lens_after, n_new, T, read_len, cache.head_dim, cache.dtype,
-                fresh=fresh, skip=self.attn_skip,
+                fresh=fresh, skip=self.attn_skip, windows=layer_windows(self.layers),
             )
             x = run_blocks(self.layers, x, cos, sin, cache, n_new, lens_after, read_len, impl, mask)
         cache.advance(n_new)

@@ -281,9 +281,18 @@ def test_config_validation_names_the_value():
         with pytest.raises((ValueError, TypeError), match=word):
             LlamaConfig(**{**base, **bad})
     windowed = LlamaConfig(**base, sliding_window=32, architecture="MistralForCausalLM")
-    windowed.check_max_len(32)  # the window covers every position of a 32-token cache
-    with pytest.raises(ValueError, match=r"MistralForCausalLM attends through sliding_window=32.*max_len=33"):
-        windowed.check_max_len(33)
+    windowed.check_max_len(33)  # a window is a mask, not a bound on the cache: any length
+    with pytest.raises(ValueError, match="max_len"):
+        windowed.check_max_len(0)
+    assert windowed.layer_windows == (32, 32)
+    assert LlamaConfig(**base, sliding_window=8, sliding_layers=(False, True)).layer_windows == (None, 8)
+    for bad, word in [
+        ({"sliding_window": 8, "sliding_layers": (True,)}, "sliding_layers must be None or 2 bools"),
+        ({"sliding_window": 8, "sliding_layers": (1, 0)}, "sliding_layers must be None or 2 bools"),
+        ({"sliding_layers": (False, True)}, "sliding_window is None"),
+    ]:
+        with pytest.raises(ValueError, match=word):
+            LlamaConfig(**{**base, **bad})
     LlamaConfig(**base).check_max_len(10**9)  # no window: any length
     with pytest.raises(ValueError, match="high_freq_factor"):
         RopeConfig(type="llama3", low_freq_factor=4.0, high_freq_factor=4.0)

@@ -7,9 +7,8 @@ Pins, per family (Qwen2, Qwen3, Mistral, Llama with attention_bias / mlp_bias):
   case through inductor, marked slow);
 * what each family adds is read from its own config.json keys (Qwen2's hard-coded q/k/v biases, Qwen3's q/k
   norms and explicit head_dim, Mistral's bias-free projections), in both transformers 4.x and 5.x spellings;
-* a sliding window smaller than max_len is refused naming `sliding_window` and both numbers, before anything is
-  allocated; a window that is off (Qwen `use_sliding_window: false`, or no sliding layer) or covers the whole
-  cache is accepted;
+* a sliding window is read per layer (Qwen `use_sliding_window: false`, or no sliding layer: none) and loads with
+  any max_len (windows shorter than the cache: tests/model/test_window_families.py);
 * loader errors name the key.
 """
 
@@ -171,30 +170,16 @@ def test_qwen_sliding_window_only_when_on_and_some_layer_slides(family, tmp_path
     assert qwen_window(tmp_path, family, **on, layer_types=["full_attention", "sliding_attention"]) == 16
 
 
-# ---- the sliding-window refusal ------------------------------------------------------------------------------
-def test_window_smaller_than_max_len_is_refused_before_allocating(tmp_path, monkeypatch):
+# ---- windows shorter than the cache load -----------------------------------------------------------------------
+def test_window_smaller_than_max_len_loads(tmp_path):
     path = save(hf_family("mistral", sliding_window=16), tmp_path)
-    model = load_model(path)  # loading is fine: the window matters only against a cache length
-    assert model.config.sliding_window == 16
-    Generator(model, max_len=16, batch=1).generate([1, 2, 3], 4)  # the window covers the cache: exact
-
-    def no_allocation(*args, **kwargs):
-        raise AssertionError("a cache was allocated before the refusal")
-
-    monkeypatch.setattr(model_module, "StaticKVCache", no_allocation)
-    for call in (
-        lambda: Generator(model, max_len=17),
-        lambda: Generator(model, max_len=64, batch=2),  # a fixed batch allocates in the constructor
-        lambda: model.new_cache(1, 64),
-    ):
-        with pytest.raises(ValueError, match=r"sliding_window=16.*max_len=(17|64)"):
-            call()
-
-
-def test_qwen2_window_on_a_sliding_layer_is_refused(tmp_path):
-    path = save(hf_family("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1), tmp_path)
-    with pytest.raises(ValueError, match=r"Qwen2ForCausalLM attends through sliding_window=16.*max_len=32"):
-        Generator(load_model(path), max_len=32)
+    model = load_model(path)
+    assert model.config.sliding_window == 16 and model.config.layer_windows == (16, 16)
+    for max_len in (16, 17, 64):
+        Generator(model, max_len=max_len, batch=1).generate([1, 2, 3], 4)
+    path = save(hf_family("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1), tmp_path / "q")
+    assert load_model(path).config.layer_windows == (None, 16)
+    Generator(load_model(path), max_len=32)
 
 
 # ---- loader errors name the key ------------------------------------------------------------------------------

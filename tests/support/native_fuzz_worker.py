@@ -98,7 +98,7 @@ def breaks(draw, options: list[str]) -> set[str]:
 @st.composite
 def attention_case(draw):
     bad = breaks(draw, ["B", "H", "M", "d", "slots", "k_d", "q_dtype", "kv_dtype", "v_dtype", "len_dtype", "layout",
-                        "lens_count", "lens", "n_new"])
+                        "lens_count", "lens", "n_new", "window"])
     B = 0 if "B" in bad else draw(st.integers(1, 3))
     H = 0 if "H" in bad else draw(st.integers(1, 3))
     slots = draw(st.integers(-1, 0)) if "slots" in bad else draw(st.integers(1, 3))
@@ -120,6 +120,9 @@ def attention_case(draw):
         layout=draw(st.sampled_from(["transposed", "dense"] if "layout" in bad else ["dense", "padded"])),
         k_d=draw(st.sampled_from([16, 32, 0])) if "k_d" in bad else d,
         nan=draw(st.sampled_from([None] * 4 + ["q", "k"])), wrapper=draw(st.booleans()),
+        # the op's sliding window: 0 none, else the keys a query sees; negative refused
+        window=draw(st.sampled_from([-1, -(2**63)])) if "window" in bad else draw(
+            st.sampled_from([0, 0, 1, 2, 5, 2**62])),
     )
 
 
@@ -129,7 +132,7 @@ def attention_valid(c: dict) -> bool:
         c["B"] >= 1 and c["H"] >= 1 and c["M"] >= 1 and c["d"] in cpu_kernel.head_dims() and c["k_d"] == c["d"]
         and c["q_dtype"] in KERNEL_FLOATS and c["kv_dtype"] in KERNEL_FLOATS and c["v_dtype_same"]
         and c["slots"] >= 1 and c["M"] % c["slots"] == 0 and c["M"] <= 64 and c["layout"] != "transposed"
-        and c["len_dtype"] == torch.int64 and c["lens_count"] == c["B"]
+        and c["len_dtype"] == torch.int64 and c["lens_count"] == c["B"] and c["window"] >= 0
         and all(0 <= n <= c["slots"] and n <= length <= c["S"] for length, n in zip(lens, n_new, strict=True))
     )
 
@@ -157,9 +160,10 @@ def check_attention(c: dict) -> None:
         nonlocal out
         if c["wrapper"] and c["slots"] >= 1 and M % c["slots"] == 0:  # the wrapper's q: [B, Hq, T, d]
             qh = q.reshape(B, H * (M // c["slots"]), c["slots"], d)
-            out = cpu_kernel.decode_attention(qh, k, v, lens, n_new).reshape(q.shape)
+            window = c["window"] or None  # the wrapper's spelling of no window
+            out = cpu_kernel.decode_attention(qh, k, v, lens, n_new, window=window).reshape(q.shape)
         else:
-            out = OPS.decode_attention(q, k, v, lens, n_new, c["slots"], 1.0 / math.sqrt(max(d, 1)))
+            out = OPS.decode_attention(q, k, v, lens, n_new, c["slots"], 1.0 / math.sqrt(max(d, 1)), c["window"])
 
     note("decode_attention", c)
     err = raises(call)
@@ -170,7 +174,8 @@ def check_attention(c: dict) -> None:
         T = c["slots"]
         qr = q.double().reshape(B, H * (M // T), T, d).numpy()
         want = np.zeros((B, H, M, d)) if S == 0 else attention_vectorised(  # no key: every slot is empty
-            qr, k.double().numpy(), v.double().numpy(), np.array(c["lens"][:B]), np.array(c["n_new"][:B])
+            qr, k.double().numpy(), v.double().numpy(), np.array(c["lens"][:B]), np.array(c["n_new"][:B]),
+            window=c["window"] or None,
         ).reshape(B, H, M, d)
         tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[c["q_dtype"]]
         np.testing.assert_allclose(out.double().numpy(), want, atol=tol, rtol=tol, equal_nan=True, err_msg=str(c))
@@ -179,7 +184,7 @@ def check_attention(c: dict) -> None:
 @st.composite
 def layers_case(draw):
     bad = breaks(draw, ["L", "Hkv", "G", "d", "inner", "n", "lens", "after", "read_len", "dtype", "kv_dtype", "layout",
-                        "weight", "count"])
+                        "weight", "count", "windows"])
     max_len = draw(st.integers(1, 10))
     n = draw(length if "n" in bad else st.integers(0, 1))
     lens = draw(length if "lens" in bad or n not in (0, 1) else st.integers(0, max_len - n))
@@ -199,6 +204,9 @@ def layers_case(draw):
         bad_weight=draw(st.integers(0, 8)) if "weight" in bad else None,
         bad_kind=draw(st.sampled_from(["rows", "dtype", "transposed", "layer1_rows"])),
         extra_weight=draw(st.sampled_from([-1, 1])) if "count" in bad else 0,
+        # per-layer sliding windows (0: none; [] no layer slides); refused: one too many, or a negative one
+        windows=draw(st.sampled_from(["extra", "negative"])) if "windows" in bad else draw(
+            st.sampled_from(["none", "some"])),
     )
 
 
@@ -211,7 +219,7 @@ def layers_valid(c: dict) -> bool:
         and d in cpu_kernel.head_dims() and c["inner"] >= 1 and c["layout"] != "transposed"
         and c["bad_weight"] is None and c["extra_weight"] == 0 and 1 <= c["read_len"] <= max_len
         and n in (0, 1) and 0 <= c["lens"] <= max_len - n and lens_after == c["lens"] + n
-        and lens_after <= c["read_len"]
+        and lens_after <= c["read_len"] and c["windows"] in ("none", "some")
     )
 
 
@@ -243,7 +251,9 @@ def check_layers(c: dict) -> None:
     lens_after = torch.tensor([c["lens"] + c["n"] + c["after_delta"]])
     saved_k, saved_v = kbuf.clone(), vbuf.clone()
     note("decode_layers", c)
-    err = raises(lambda: OPS.decode_layers(x, cos, sin, k, v, lens, n_new, lens_after, c["read_len"], weights, 1e-5))
+    windows = {"none": [], "some": [1, 0, 3][:L], "extra": [2] * (L + 1), "negative": [-1] * L}[c["windows"]]
+    err = raises(lambda: OPS.decode_layers(x, cos, sin, k, v, lens, n_new, lens_after, c["read_len"], weights, 1e-5,
+                                           windows))
     valid = layers_valid(c)
     tally("decode_layers", err is None)
     assert (err is None) == valid, f"valid={valid} but the call {'raised ' + repr(err) if err else 'ran'}: {c}"
