@@ -29,4 +29,4 @@ def resolve_model(spec: str | Path) -> Path:
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     if is_hub_id(text):
         return resolve_hub(text)
-    raise FileNotFoundError(f"checkpoint directory {path} does not exist (a model is {FORMS})")
+    raise FileNotFoundError(f"no checkpoint at {path}: it does not exist (a model is {FORMS})")
