@@ -87,7 +87,7 @@ class Generator:
         model.tp.require_group()  # a tensor-parallel shard needs its process group for every step
         self.model = model
         self.max_len = check_int("max_len", max_len, minimum=2)
-        model.check_max_len(self.max_len)  # a sliding window shorter than the cache: refused before allocating
+        model.check_max_len(self.max_len)  # checked before allocating (a sliding window is a mask: any length)
         self.chunk_size = check_int("chunk_size", chunk_size, minimum=1)
         if long_chunk is None:
             self.long_chunk = DEFAULT_LONG_CHUNK if self.chunk_size < DEFAULT_LONG_CHUNK else 0
