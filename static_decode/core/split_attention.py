@@ -117,7 +117,7 @@ def split_key_attention(
     qb = q.reshape(N, 1, M, d).expand(N, nb, M, d)  # [N, nb, M, d]: every block sees the same queries (stride 0)
     bias = bias.view(B, 1, M, nb, Sb).transpose(2, 3)  # [B, 1, nb, M, Sb]
     # Batch 1: [1, nb, M, Sb], broadcast over the KV heads. Else the rows and KV heads share one axis: a copy of
-    # the bias (G*T*S per KV head), never of K/V.
+    # the bias (G*T*S per KV head), not of K/V.
     bias = bias[0] if B == 1 else bias.expand(B, Hkv, nb, M, Sb).reshape(N, nb, M, Sb)
     out, lse = block_partials(qb, kb, vb, bias, 1.0 / math.sqrt(d))  # [N, nb, M, d], [N, nb, M]
     # [B, T, nb]: a block is live for a slot iff its first key is visible (a prefix), or any key (a window's band)
