@@ -1,50 +1,12 @@
 """Grouped-query attention of a chunk of queries against the KV cache.
 
-`grouped_attention` is the fixed-shape device function a captured step calls: device tensors plus a K/V view
-whose length is a Python int. `gqa_attention` is the checked public entry over a `StaticKVCache`.
-
-Slot t of row b sits at absolute position lens[b] - n_new[b] + t (lens counts the chunk just appended) and
-sees keys 0..that position. Slots t >= n_new[b] return exact zeros. The mask is built from the lengths, not
-as a T x T triangle, so a chunk appended after cached tokens sees those tokens too. A layer with a sliding window
-of W keys (`window`, a Python int fixed per layer; None: off) sees only keys j with pos - W < j <= pos
-(transformers' sliding-window mask), still computed from the device lengths, so positions crossing W change no
-shape and compile nothing new.
-
-Seven formulations, all reading K and V in place (no copy, no KV repeat; checked by
-`profiles/attention_bench.py --trace`). Numbers in profiles/attention_cpu.md:
-
-* "sdpa_folded" (default): the group folded into the query axis, [B, Hkv, G*T, d], and one
-  `F.scaled_dot_product_attention` call with the [B, 1, G*T, S] mask; padded slots (empty mask rows, NaN in
-  SDPA) replaced by zeros. Ties "matmul" at decode on the 2-core CPU here and is 1.6-2.2x faster for prefill
-  chunks (the fused kernel keeps the scores in cache blocks instead of materialising [G*T, S] per head), and
-  2.4x faster with bfloat16 K/V. One kernel per call, so it also degrades least when the cores are shared.
-* "matmul": keys-major scores, K [S, d] @ Q^T [d, G*T], so the GEMM streams K's rows in memory order; a
-  masked softmax of our own over the key axis; then P^T @ V.
-* "matmul_qk": the query-major variant, Q [G*T, d] @ K^T (a transposed view): 5-10% slower at decode here.
-* "sdpa": SDPA with `enable_gqa=True` on the unfolded [B, Hq, T, d] queries: 2.5-3x slower at decode on CPU.
-* "flex": `torch.nn.attention.flex_attention` with the offset mask as a score_mod over the device lengths and
-  `enable_gqa=True`. For compiled CUDA steps: inductor lowers it to its flash-decoding Triton template, which
-  splits the key axis over thread blocks and reads K/V through their strides (no copy). The one-SDPA
-  formulations give a batch-1 decode step B * Hkv = 8 work items for 132 SMs (Llama-3.1-8B shape): at 32k the
-  H200 read K/V at ~5% of its bandwidth (profiles/RESULTS.md). Not for eager or CPU use: PyTorch's eager
-  flex_attention is its unfused reference, which materialises the scores and repeats K/V for GQA
-  (repeat_interleave), and its CPU template does not compile this score_mod (NoValidChoicesError, torch 2.13).
-* "split_key" (static_decode.core.split_attention): flash-decoding: the key axis in blocks of SPLIT_BLOCK as a strided
-  view of the cache, one SDPA-kernel call over every (row x KV head, block) returning each block's log-sum-exp,
-  then one combine. More work items for the kernel when B * Hkv is small (a batch-1 step of a model with few KV
-  heads); the combine costs a little elsewhere. Numbers in profiles/RESULTS.md.
-* "decode_kernel" (static_decode.kernels.cpu_kernel, CPU only): our own C++ kernel for steps of few query rows per
-  KV head (decode, verify chunks): each key row loaded once for all the group's rows, a block's scores in L1, an online
-  softmax, the key axis split over the threads; its mask is the lengths, read inside it, so keys past a row's
-  length are never touched. Float32 math over float32 / bfloat16 / float16 caches. Where it does not apply
-  (another device, more than 64 rows, a head_dim that is not a multiple of the vector width, float64) or cannot be
-  built, naming it gives "sdpa_folded".
-
-Why the split goes through SDPA's kernels and not a GEMM: splitting the key axis of a cache view [B, Hkv, S, d]
-into [B, Hkv, S / Sb, Sb, d] blocks is a view, but not one a batched GEMM can take: the cache's spare position
-(and any read S shorter than the allocation) gives the head and block axes strides that do not merge into one
-batch stride, so matmul/bmm copy K and V first (profiles/attention_cpu.md). The fused attention kernels take
-arbitrary strides on their two batch axes, and B and Hkv do merge: [B*Hkv, S / Sb, Sb, d] is a view.
+`grouped_attention` is the fixed-shape device function a captured step calls (device tensors plus a K/V view whose
+length is a Python int); `gqa_attention` is the checked public entry over a `StaticKVCache`. Slot t of row b sits at
+absolute position lens[b] - n_new[b] + t (lens counts the chunk just appended) and sees keys 0..that position, or
+only pos - W < j <= pos on a layer with a sliding window W; slots t >= n_new[b] return exact zeros. The mask is built
+from the device lengths, not as a T x T triangle, so a chunk appended after cached tokens sees them and positions
+crossing W change no shape. Seven formulations (IMPLS), all reading K and V in place; `resolve_impl` picks one for
+"auto". What each does and why: docs/internals.md#attention; numbers: profiles/attention_cpu.md.
 """
 
 from __future__ import annotations

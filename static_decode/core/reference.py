@@ -1,20 +1,11 @@
-"""Two independent numpy references for grouped-query attention over a KV cache.
+"""Two independent numpy references for grouped-query attention over a KV cache (float64 recommended).
 
-Both take the same inputs, all numpy (float64 recommended):
-
-    q      [B, Hq, T, d]   queries of the chunk just appended (T fixed slots, padded past n_new[b])
-    k, v   [B, Hkv, S, d]  the cache, at least lens.max() keys long; keys past lens[b] are garbage
-    lens   [B]             tokens each row holds *after* the append
-    n_new  [B]             real tokens in this chunk for each row, 0 <= n_new[b] <= min(T, lens[b])
-
-and return [B, Hq, T, d]: slot t of row b sits at absolute position lens[b] - n_new[b] + t and sees keys
-0..that position; slots t >= n_new[b] are exactly zero. `window` (None: off) is a sliding window of W keys, as
-transformers draws it: the query at position i sees keys j with i - W < j <= i.
-
-`attention_vectorised` follows the library's three rules (grouped query view, offset causal mask over
-ragged rows, padded slots to zeros) with array ops. `attention_direct` shares none of that code: it repeats
-the KV heads, loops over every row and every real query and does a plain softmax over keys 0..position.
-They are checked against each other to 1e-10, then the torch kernels are checked against both.
+Inputs: q [B, Hq, T, d] (the chunk just appended, padded past n_new[b]), k, v [B, Hkv, S, d] (keys past lens[b] are
+garbage), lens [B] (tokens after the append), n_new [B]; output [B, Hq, T, d]. Slot t of row b sits at position
+lens[b] - n_new[b] + t and sees keys 0..that position (with `window` W: i - W < j <= i); slots t >= n_new[b] are
+zero. `attention_vectorised` follows the library's rules with array ops; `attention_direct` shares none of that code
+(it repeats the KV heads and loops over every real query). They agree to 1e-10; the torch kernels are checked
+against both.
 """
 
 from __future__ import annotations

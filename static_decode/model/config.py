@@ -1,28 +1,9 @@
 """The Llama-family model configuration: a validated dataclass, read from a transformers config.json.
 
-One decoder covers several transformers architectures; what differs between them is a handful of switches
-(`LlamaConfig.from_hf` maps each architecture's config.json keys onto them):
-
-* LlamaForCausalLM: `attention_bias` (q/k/v/o biases) and `mlp_bias` (gate/up/down biases), both optional;
-* MistralForCausalLM: no biases; `sliding_window` (every layer) null or an int;
-* Qwen2ForCausalLM: q/k/v biases always, none on o_proj or the MLP; a sliding window on the layers from
-  `max_window_layers` on (or as `layer_types` lists them) only when `use_sliding_window` is true;
-* Qwen3ForCausalLM: `attention_bias` (q/k/v/o), an RMSNorm over each head's q and k before the rotary
-  embedding, `head_dim` explicit (transformers' default 128 when absent, not hidden_size // heads); its
-  sliding window follows Qwen2's rules.
-
-A sliding window is a mask, not a bound on the cache: a layer with window W lets the query at position i see keys
-i - W < j <= i (transformers' convention), whatever max_len is. The window is per layer (`layer_windows`): Mistral
-slides every layer, Qwen2/Qwen3 the layers `layer_types` or `max_window_layers` name.
-
-Two config.json styles exist for the rotary embedding and both are read:
-
-* transformers 4.x: top-level `rope_theta` plus `rope_scaling` (null, or a dict with `rope_type` or the older
-  `type`, and the type's parameters);
-* transformers 5.x: `rope_parameters`, one dict holding `rope_type`, `rope_theta` and the type's parameters.
-
-The rope parameters and the rope types read are static_decode.model.rope_config's; a type or key it does not read
-is refused with an error naming the key.
+One decoder covers several transformers architectures (Llama, Mistral, Qwen2, Qwen3); what differs between them is a
+handful of switches that `LlamaConfig.from_hf` maps each architecture's config.json keys onto: biases, Qwen3's q/k
+norms, an explicit head_dim, per-layer sliding windows (a mask, not a bound on the cache). Both transformers rope
+spellings are read (static_decode.model.rope_config). Per family: docs/internals.md#config.
 """
 
 from __future__ import annotations

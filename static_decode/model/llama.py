@@ -1,16 +1,10 @@
 """A Llama-family causal LM over the static KV cache: embedding, the decoder blocks (static_decode.model.blocks),
-final norm, LM head (tied or not).
+final norm, LM head (tied or not); module names are transformers' minus its `model.` prefix (`hf_name`).
 
-Module names mirror transformers' LlamaForCausalLM minus its `model.` prefix, so a checkpoint maps by name
-(`hf_name`). The families that differ from Llama only in a few switches (static_decode.model.config: Mistral, Qwen2,
-Qwen3) are this same class: optional biases on q/k/v, o_proj and the MLP, and Qwen3's per-head RMSNorm on q and k.
-
-The step contract (what a captured step runs): `step(tokens [B, T], cache, n_new [B] device, read_len: int)`
-writes every layer's K/V at the old lengths, attends with lens_after = cache.lens + n_new over
-`cache.layer_view(layer, read_len)`, advances the device lengths once, and returns logits [B, T, V]. Positions
-come from cache.lens on the device. It never reads a tensor back to the host. `forward` is the checked host
-wrapper around it. Tensor parallelism (`tp`, static_decode.model.parallel): everything outside the blocks, and so
-the step's logits, is the same on every rank; at world 1 the code path is exactly the single-process one.
+The step contract: `step(tokens [B, T], cache, n_new [B] device, read_len: int)` writes every layer's K/V at the old
+lengths, attends over `cache.layer_view(layer, read_len)`, advances the device lengths once and returns logits
+[B, T, V], never reading a tensor back to the host; `forward` is the checked host wrapper. The families, positions
+and tensor parallelism: docs/internals.md#llama.
 """
 
 from __future__ import annotations
