@@ -1,23 +1,10 @@
 """Load a GGUF file (llama.cpp's format) into the project's model: hyperparameters from its metadata, its tensors.
 
-The file is read with the `gguf` package's GGUFReader (a memory map). What is read:
-
-* the architecture (`general.architecture`): "llama" (llama.cpp writes Llama and Mistral checkpoints as it),
-  "qwen2", "qwen3"; any other is refused naming the key and the file. The hyperparameters from `<arch>.*`: width,
-  layers, heads, KV heads, head width (`attention.key_length`), MLP width, RMSNorm epsilon, rope base, context
-  length. Rope scaling other than none, per-frequency rope factors (`rope_freqs.weight`, Llama 3.1 style) and a
-  partial rotary dimension are refused naming the key.
-* the tensors, by gguf's own name table (`gguf.TensorNameMap`: `blk.N.attn_q` is `model.layers.N.self_attn.q_proj`
-  ...), each name and shape checked against the config before any data is read. F32 / F16 / BF16 tensors are
-  taken into the model's dtype. Q4_0 projections become our int4 with groups of 32 (static_decode.model.quant):
-  a Q4_0 block is a float16 scale d and 32 codes q with w = (q - 8) * d, which is int4-g32's w = (q - 8) * s + z
-  with s = d and z = 0, exactly when the model is float32 (a float16 scale is exact in float32, not in bfloat16).
-  Every other quantized type, Q8_0 included (a scale per 32 weights, where our int8 has one per row), is
-  dequantized by gguf (`gguf.quants.dequantize`) into the model's dtype; one line on stderr says which went where.
-* llama.cpp's converter permutes the rows of Llama's q and k projections (weights and biases) for its rotary
-  layout (interleaved pairs instead of halves); that permutation is undone exactly (rows moved, Q4_0 blocks whole).
-
-The tokenizer, chat template and special ids: static_decode.checkpoints.gguf_vocab.
+Read with the `gguf` package's GGUFReader (a memory map): architectures "llama" (also Mistral's), "qwen2", "qwen3";
+tensors by gguf's own name table, each checked against the config before any data is read. F32/F16/BF16 go into the
+model's dtype, Q4_0 projections into the exactly equal int4-g32 layout (a float32 model), every other quantized type
+is dequantized, saying which on stderr; llama.cpp's q/k row permutation is undone. Details: docs/internals.md#gguf;
+the tokenizer and template: static_decode.checkpoints.gguf_vocab.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Rotary position embeddings: every rope type transformers' `modeling_rope_utils` computes for these families.
 
-The inverse frequencies are computed in float32 with the same operations, in the same order, as transformers,
-so that float32 logits agree to rounding. Positions are device tensors (the cache lengths plus the slot
-index), never host ints: cos/sin are computed per step from them, so no table sized by max_len is needed
-and a captured step reads no host value.
-
-Two types pick their frequencies by the sequence length (transformers' `dynamic_rope_update`, which takes the
-largest position of the forward call): "dynamic" grows its base past the original context, "longrope" switches
-from its short to its long factors there. Here the length is each row's own length after the step (`seq_len`,
-a device tensor), and the choice is a `torch.where` over tables of one fixed shape, so a captured step neither
-reads back nor recompiles as a row passes the original context. For one row this is transformers' choice for
-the same forward call; in a ragged batch each row gets the table its own length selects (transformers would
-give every row the longest row's), so a row's result does not depend on the rows beside it.
+Frequencies are computed in float32 with transformers' operations in its order (float32 logits agree to rounding);
+positions are device tensors, so no table sized by max_len is needed and a captured step reads no host value.
+"dynamic" and "longrope" pick their table by each row's own length after the step, a `torch.where` over tables of
+one shape (no read-back, no recompile as a row passes the original context). Details: docs/internals.md#rope.
 """
 
 from __future__ import annotations

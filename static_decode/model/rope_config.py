@@ -1,22 +1,8 @@
 """The rotary embedding's parameters: a validated dataclass, read from config.json as transformers reads it.
 
-Rope types (transformers' `rope_type`, `modeling_rope_utils.ROPE_INIT_FUNCTIONS`):
-
-* "default": inv_freq[i] = theta ** (-2i / rot_dim);
-* "linear": the default frequencies divided by `factor` (position interpolation);
-* "dynamic": NTK-aware scaling, the base grown with the sequence length once it passes
-  max_position_embeddings (kept here as `original_max_position_embeddings`);
-* "yarn": frequencies blended between interpolation and extrapolation by a ramp over the dims bounded by
-  `beta_fast`/`beta_slow` (floored/ceiled when `truncate`), cos/sin scaled by the attention factor;
-* "longrope": `short_factor` or `long_factor` per frequency, chosen by whether the sequence passes the original
-  context, cos/sin scaled by the attention factor;
-* "llama3": Llama 3.1's frequency-dependent scaling.
-
-`partial_rotary_factor` rotates only the first rot_dim = int(head_dim * factor) dims of every head.
-
-Two config.json spellings hold these keys: transformers 4.x (top-level `rope_theta` plus `rope_scaling`, whose
-type key is `rope_type` or the older `type`) and 5.x (`rope_parameters`, holding `rope_theta` too). A key a type
-does not read, or a type not listed, is refused naming the key.
+Rope types "default", "linear", "dynamic", "yarn", "longrope" and "llama3" (transformers' `rope_type`), and
+`partial_rotary_factor`; both config.json spellings (4.x `rope_theta` + `rope_scaling`, 5.x `rope_parameters`). A key
+a type does not read, or a type not listed, is refused naming the key. Each type: docs/internals.md#rope-config.
 """
 
 from __future__ import annotations
