@@ -21,6 +21,7 @@ from capture.settings import CaptureOptions
 from static_decode.base import ranges
 from static_decode.base.checks import check_int
 from static_decode.core.cache import StaticKVCache
+from static_decode.generation import structured
 from static_decode.generation.memory import cache_bytes, check_fits, generation_bytes
 from static_decode.generation.request import Request, SamplingOptions, SamplingParams, check_request
 from static_decode.generation.speculative_loop import decode_speculative
@@ -66,6 +67,11 @@ class Generator:
     for the largest batch seen, and never regrown for a batch it already fits). Smaller requests run on the
     same buffers with the spare rows idle, so the step shapes do not change. Not re-entrant: finish (or close)
     one stream before starting the next request.
+
+    grammar_tables ((states, token classes); None: off): the device tables of structured output, so requests may
+    set SamplingParams.grammar (structured.DEFAULT_GRAMMAR_TABLES: 1024 x 1024, 4 MiB of int32 next states, plus
+    4 B a token and 1 B a token per row). `structured_path` says which path the last request took ("device",
+    "host" or None) and `structured_why` why it went to the host.
     """
 
     def __init__(
@@ -81,6 +87,7 @@ class Generator:
         read_every: int = DEFAULT_READ_EVERY,
         capture: CaptureOptions | None = None,
         speculate: Speculation | None = None,
+        grammar_tables: tuple[int, int] | None = None,
     ) -> None:
         if not isinstance(model, Llama):
             raise TypeError(f"model must be a static_decode.Llama, got {type(model).__name__}")
@@ -98,6 +105,12 @@ class Generator:
                     f"long_chunk={long_chunk} must exceed chunk_size={self.chunk_size} (or be 0: no long chunks)"
                 )
         self.read_every = check_int("read_every", read_every, minimum=1)
+        if grammar_tables is not None:
+            grammar_tables = (check_int("grammar_tables states", grammar_tables[0], minimum=1),
+                              check_int("grammar_tables classes", grammar_tables[1], minimum=1))
+        self.grammar_tables = grammar_tables
+        self.structured_path: str | None = None
+        self.structured_why: str | None = None
         self.compile = bool(compile)
         if self.compile and model.attn_impl == "flex" and model.device.type != "cuda":
             raise ValueError(
@@ -175,6 +188,7 @@ class Generator:
         need = generation_bytes(
             m.config, batch, self.max_len, self.chunk_size, len(self.eos_token_ids), m.dtype, kv_heads=m.kv_heads,
             draft_tokens=K, draft_vocab=draft_vocab, long_chunk=self.long_chunk, kv_dtype=m.kv_dtype,
+            grammar=self.grammar_tables,
         )
         if draft is not None:
             need += cache_bytes(draft.config, batch, self.max_len, draft.kv_dtype, kv_heads=draft.kv_heads)
@@ -188,7 +202,7 @@ class Generator:
         self.bufs = StepBuffers.allocate(
             batch, self.chunk_size, self.max_len, m.config.hidden_size, len(self.eos_token_ids),
             dtype=m.dtype, device=m.device, draft_tokens=K, draft_vocab=draft_vocab, long_chunk=self.long_chunk,
-            vocab=m.config.vocab_size,
+            vocab=m.config.vocab_size, grammar=self.grammar_tables,
         )
         steps = dict(STEPS)
         if spec is not None:
@@ -215,6 +229,10 @@ class Generator:
         """The repetition, presence and frequency penalties change the target's distribution token by token, which
         a verify step's drafts were not drawn from, and the verify steps apply neither min_p nor the logit bias:
         each is refused with speculation (naming the first one set)."""
+        if req.grammar is not None and self.speculate is not None:
+            raise ValueError("grammar (structured output) is not supported with speculative decoding")
+        if req.grammar is not None and self.grammar_tables is None:
+            raise ValueError("grammar (structured output) needs Generator(..., grammar_tables=(states, classes))")
         on = req.samplers_on()
         if on and self.speculate is not None:
             raise ValueError(f"{on[0]} is not supported with speculative decoding")
@@ -315,6 +333,9 @@ class Generator:
         bufs.seen.scatter_(1, torch.from_numpy(marks).to(bufs.seen.device), True)  # the prompt counts as seen
         eos = list(self.eos_token_ids) if req.stop_at_eos else []
         bufs.eos.copy_(torch.tensor(eos + [-1] * (bufs.eos.shape[0] - len(eos)), dtype=torch.int64))
+        self._constraint = structured.start(req.grammar, bufs, R, eos)
+        self.structured_path = None if self._constraint is None else self._constraint.path
+        self.structured_why = None if req.grammar is None else structured.why_host(req.grammar, bufs, eos)
         return history
 
     def _prefill(self, rows: list[list[int]]) -> None:
@@ -368,6 +389,9 @@ class Generator:
         self, req: Request, every: int, keep_cache: bool, history: Sequence[int]
     ) -> Iterator[list[list[int]]]:
         history = self._prepare(req, keep_cache, history)  # may allocate and capture: untimed
+        constraint = self._constraint
+        if constraint is not None and constraint.path == "host":
+            every = 1  # the host writes each step's mask from the token before it
         t0 = time.perf_counter()
         cache, bufs, model, R, max_new = self.cache, self.bufs, self.model, len(req.rows), req.max_new_tokens
         eos = set(self.eos_token_ids) if req.stop_at_eos else set()
@@ -397,6 +421,8 @@ class Generator:
                 while True:
                     if steps + 1 == max_new or steps % every == 0:
                         piece = read_rows(bufs, steps + 1, finished, emitted, eos, max_new)
+                        if constraint is not None:
+                            constraint.update(bufs, piece, finished)
                         if steps == 0:
                             t1 = time.perf_counter()
                         yield piece

@@ -12,6 +12,7 @@ from typing import TypedDict
 import numpy as np
 
 from static_decode.base.checks import check_int, is_number
+from static_decode.generation.structured import Grammar
 from static_decode.steps.functions import LOGIT_BIAS_SLOTS
 
 # The sampling buffer holds float32: a smaller positive temperature would round to 0 there and silently run greedy.
@@ -35,6 +36,7 @@ class SamplingOptions(TypedDict, total=False):
     presence_penalty: float | None
     frequency_penalty: float | None
     logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] | None
+    grammar: Grammar | None
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,11 @@ class SamplingParams:
     request; biases in [-100, 100]) added to the logits before everything else, greedy rows included (OpenAI's: -100
     all but bans a token); kept as (id, bias) pairs in id order, without the entries of bias 0. The bias, then
     repeat_penalty, then the presence and frequency penalties apply to greedy and sampled rows alike (vLLM's and
-    llama.cpp's order)."""
+    llama.cpp's order).
+
+    grammar (a static_decode.generation.structured.Grammar: `Grammar.json_schema(schema, tokenizer)` or
+    `Grammar.json_object(tokenizer)`; None = free text): every token is one the grammar allows, and EOS only where
+    the text is complete; a row ends when its text can go no further. Compiled once, reused across requests."""
 
     temperature: float = 0.0
     top_k: int | None = None
@@ -67,6 +73,7 @@ class SamplingParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: Mapping[int, float] | LogitBias | None = None  # kept as LogitBias
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         t, top_k, top_p, seed, penalty = self.temperature, self.top_k, self.top_p, self.seed, self.repeat_penalty
@@ -81,6 +88,9 @@ class SamplingParams:
             seed = check_int("seed", seed, minimum=0)
         if penalty is not None and (not is_number(penalty) or not 0 < penalty < 1e30):
             raise ValueError(f"repeat_penalty must be a finite number > 0 (1 = off), got {penalty!r}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise TypeError(f"grammar must be a static_decode.generation.structured.Grammar, got "
+                            f"{type(self.grammar).__name__}")
         min_p = self.min_p
         if min_p is not None and (not is_number(min_p) or not 0 <= min_p <= 1):
             raise ValueError(f"min_p must be a number in [0, 1] (0 = off), got {min_p!r}")
@@ -158,6 +168,7 @@ class Request:
     presence_penalty: float = 0.0  # 0 = off
     frequency_penalty: float = 0.0  # 0 = off
     logit_bias: LogitBias = ()  # (token id, bias) pairs, ids in the vocabulary
+    grammar: Grammar | None = None  # the structured-output constraint (None: free text)
 
     @property
     def greedy(self) -> bool:
@@ -219,10 +230,13 @@ def check_request(
     for tid, _ in p.logit_bias or ():
         if tid >= vocab_size:
             raise ValueError(f"logit_bias names token id {tid}; token ids must be in 0..{vocab_size - 1}")
+    if p.grammar is not None and p.grammar.vocab_size != vocab_size:
+        raise ValueError(f"the grammar was compiled for a vocabulary of {p.grammar.vocab_size} tokens, the model has "
+                         f"{vocab_size} (Grammar.json_schema(..., vocab_size={vocab_size}))")
     return Request(
         rows=[[int(t) for t in r] for r in rows], single=single, max_new_tokens=max_new,
         temperature=p.temperature, top_k=None if p.top_k is None else min(p.top_k, vocab_size), top_p=p.top_p,
         seed=p.seed, stop_at_eos=p.stop_at_eos, repeat_penalty=1.0 if p.repeat_penalty is None else p.repeat_penalty,
         min_p=p.min_p or 0.0, presence_penalty=p.presence_penalty or 0.0, frequency_penalty=p.frequency_penalty or 0.0,
-        logit_bias=p.logit_bias or (),
+        logit_bias=p.logit_bias or (), grammar=p.grammar,
     )

@@ -21,7 +21,7 @@ import torch
 
 from static_decode.core.cache import StaticKVCache
 from static_decode.model.llama import Llama
-from static_decode.steps import sampling
+from static_decode.steps import grammar, sampling
 
 PAD = -1  # out[b, i] past row b's last token (the host fills `out` with it per request); never a token id
 LOGIT_BIAS_SLOTS = 64  # (token id, bias) entries per row (`bias_ids`, `bias_values`): a request's logit_bias at most
@@ -36,7 +36,8 @@ class StepBuffers:
     N the output capacity (max_len), D the model width, E the number of EOS ids (at least 1; -1 entries match
     nothing), K the draft tokens of a speculative verify step (0 without speculation), Q the vocabulary of a draft
     model's probabilities (0 unless a draft model samples), V the vocabulary of `seen` (0: no repetition penalty,
-    for callers that allocate steps without a model; it spans `counts` too), M = LOGIT_BIAS_SLOTS. `out`, `hist`,
+    for callers that allocate steps without a model; it spans `counts` too), M = LOGIT_BIAS_SLOTS, S and Z the grammar
+    tables' states and token classes (0 without grammar tables: static_decode.steps.grammar). `out`, `hist`,
     `seen` and `counts` have one column more than they can fill: masked writes of a fixed-shape step land there
     (the last column), and nothing reads it.
     """
@@ -68,6 +69,11 @@ class StepBuffers:
     min_p: torch.Tensor  # [B] float32 keep tokens with probability >= min_p x the top one's, 0 = off
     bias_ids: torch.Tensor  # [B, M] int64 token ids of the logit bias entries (unused: id 0 ...)
     bias_values: torch.Tensor  # [B, M] float32 ... with bias 0, which adds nothing)
+    grammar_state: torch.Tensor  # [B] int64 each row's state in the grammar automaton, -1 = unconstrained
+    grammar_class: torch.Tensor  # [G] int32 each token's class in the automaton (G = V with grammar tables, else 0)
+    grammar_next: torch.Tensor  # [S, Z] int32 the state a class leads to, -1 = not allowed (steps.grammar)
+    grammar_live: torch.Tensor  # [S] bool the state allows some token (a row reaching one that allows none ends)
+    grammar_allow: torch.Tensor  # [B, G] bool the host's mask for rows under a per-step host grammar (else all True)
 
     @classmethod
     def allocate(
@@ -84,10 +90,12 @@ class StepBuffers:
         draft_vocab: int = 0,
         long_chunk: int = 0,
         vocab: int = 0,
+        grammar: tuple[int, int] | None = None,
     ) -> StepBuffers:
         """Every buffer of `buffer_layout`, filled with its starting value."""
         layout = buffer_layout(batch, chunk, capacity, width, eos_slots, dtype=dtype, draft_tokens=draft_tokens,
-                               draft_vocab=draft_vocab, long_chunk=long_chunk, vocab=vocab)
+                               draft_vocab=draft_vocab, long_chunk=long_chunk, vocab=vocab,
+                               grammar=grammar)
         return cls(**{name: torch.full(shape, fill, dtype=dt, device=device)
                       for name, (shape, dt, fill) in layout.items()})
 
@@ -108,10 +116,13 @@ def buffer_layout(
     draft_vocab: int = 0,
     long_chunk: int = 0,
     vocab: int = 0,
+    grammar: tuple[int, int] | None = None,
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype, float]]:
     """name -> (shape, dtype, starting value) of every step buffer: the one table `StepBuffers.allocate` makes and
     static_decode.generation.memory counts."""
     i64, f32, b = torch.int64, torch.float32, torch.bool
+    states, classes = grammar or (0, 0)  # the grammar tables' states and token classes (None: no tables)
+    g_vocab = vocab if grammar is not None else 0
     return {
         "chunk": ((batch, chunk), i64, 0),
         "long_chunk": ((batch, long_chunk), i64, 0),
@@ -140,6 +151,11 @@ def buffer_layout(
         "min_p": ((batch,), f32, 0),
         "bias_ids": ((batch, LOGIT_BIAS_SLOTS), i64, 0),
         "bias_values": ((batch, LOGIT_BIAS_SLOTS), f32, 0),
+        "grammar_state": ((batch,), i64, -1),
+        "grammar_class": ((g_vocab,), torch.int32, 0),
+        "grammar_next": ((states, classes), torch.int32, -1),
+        "grammar_live": ((states,), b, 0),
+        "grammar_allow": ((batch, g_vocab), b, 1),
     }
 
 
@@ -199,6 +215,8 @@ def emit(bufs: StepBuffers, tokens: torch.Tensor, count: torch.Tensor) -> None:
         one = torch.ones((), dtype=bufs.counts.dtype, device=tokens.device)
         bufs.counts.index_put_((rows, torch.where(keep, tokens, V)), one.expand(B, T), accumulate=True)
     ended = (is_eos & (t[None, :] < n[:, None])).any(dim=-1) | (bufs.step >= bufs.limit)  # [B]
+    if grammar.active(bufs):  # a constrained row (never speculative: T = 1) moves by its token
+        ended = ended | grammar.advance(bufs, tokens[:, 0], n > 0)  # [B]
     bufs.done.copy_(bufs.done | ended)
     count.copy_(n)
 
@@ -212,6 +230,8 @@ def _penalized(logits: torch.Tensor, bufs: StepBuffers) -> torch.Tensor:
     """logits [B, V] (float32 out) with each row's logit bias added, then the repetition penalty applied to its
     seen tokens and the presence / frequency penalties to its emitted ones (those two without `seen`/`counts`,
     V = 0)."""
+    if grammar.active(bufs):
+        logits = grammar.mask(logits, bufs)  # [B, V] tokens the row's grammar does not allow: -inf
     logits = sampling.bias(logits, bufs.bias_ids, bufs.bias_values)  # [B, V]
     if bufs.seen.shape[1] - 1 != logits.shape[-1]:
         return logits
