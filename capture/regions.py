@@ -22,7 +22,7 @@ from capture import _dynamo_counters as dc
 from capture.settings import CompileSettings
 from static_decode.core.cache import LayerSpan, StaticKVCache
 from static_decode.model import fused_decode
-from static_decode.model.blocks import layer_windows, run_blocks, step_attention
+from static_decode.model.blocks import layer_windows, run_blocks, softcapped, step_attention
 from static_decode.model.llama import Llama
 
 _LIVE: dict[int, LayerRegions] = {}  # handle -> the regions of a live runner (the op finds its region here)
@@ -58,6 +58,7 @@ def _region(
     impl, mask = step_attention(
         impl, groups, k.shape[2], lens_after, n_new, x.shape[1], read_len, k.shape[-1], k.dtype, fresh=fresh,
         windows=layer_windows(blocks),  # each block's own sliding window (None: full causal)
+        softcap=softcapped(blocks),  # Gemma 2's softcapped scores take a formulation that caps them
     )
     return run_blocks(blocks, x, cos, sin, LayerSpan(k, v, lens, max_len), n_new, lens_after, read_len, impl, mask)
 

@@ -30,7 +30,7 @@ from static_decode.checkpoints.sources import resolve_model
 from static_decode.model.config import LlamaConfig, eos_ids
 from static_decode.model.joining import join_projections
 from static_decode.model.llama import Llama, hf_name
-from static_decode.model.parallel import SINGLE, TensorParallel, shard_dim
+from static_decode.model.parallel import SINGLE, TensorParallel, joined_rows, shard_dim
 from static_decode.model.quant import Scheme, parse, quantize_model
 from static_decode.text import chat_template
 from static_decode.text.chat_template import ChatTemplate
@@ -186,6 +186,7 @@ def load_model(
     meta = Llama(config, dtype=torch.float32, device="meta", fused_projections=False)
     wanted = {hf_name(name): tuple(p.shape) for name, p in meta.named_parameters()}
     split = {hf_name(name): shard_dim(name) for name, _ in meta.named_parameters()}
+    parts = stored_joined(meta)  # Phi3's qkv_proj / gate_up_proj: a rank reads its rows of each part
     missing = [k for k in wanted if k not in files]
     if missing:
         raise KeyError(f"checkpoint {root} lacks tensor(s): {', '.join(missing)}")
@@ -224,7 +225,7 @@ def load_model(
     for file, keys in by_file.items():
         with _open(file) as f:
             for key in keys:
-                tensors[key] = _read(f, key, split[key], wanted[key], tp).to(device=device, dtype=dtype)
+                tensors[key] = _read(f, key, split[key], wanted[key], tp, parts.get(key)).to(device=device, dtype=dtype)
     model = Llama(config, dtype=dtype, device="meta", tp=tp, fused_projections=fused_projections)
     state = {name: tensors.pop(hf_name(name)) for name, _ in meta.named_parameters()}
     # q/k/v and gate/up joined here, once, each layer's parts freed as it goes; under tp from this rank's slices.
@@ -237,10 +238,30 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
-def _read(f, key: str, dim: int | None, shape: tuple[int, ...], tp: TensorParallel) -> torch.Tensor:
-    """Tensor `key` of an open safetensors file, or only this rank's slice along `dim` of it."""
+def stored_joined(meta: Llama) -> dict[str, tuple[int, ...]]:
+    """The checkpoint keys of joined projections stored joined (Phi3's qkv_proj, gate_up_proj) -> their parts'
+    rows in order (q, k, v; gate, up), from a whole (world 1) model."""
+    if not meta.config.joined_checkpoint:
+        return {}
+    out: dict[str, tuple[int, ...]] = {}
+    for i, block in enumerate(meta.layers):
+        a, m = block.self_attn, block.mlp
+        for suffix in ("weight", "bias"):
+            out[hf_name(f"layers.{i}.self_attn.qkv_proj.{suffix}")] = tuple(a.sizes)
+            out[hf_name(f"layers.{i}.mlp.gate_up_proj.{suffix}")] = (m.inner, m.inner)
+    return out
+
+
+def _read(
+    f, key: str, dim: int | None, shape: tuple[int, ...], tp: TensorParallel, parts: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """Tensor `key` of an open safetensors file, or only this rank's slice along `dim` of it; `parts`: the rows of
+    the parts of a tensor stored joined (q, k, v), each sliced apart and the slices joined."""
     if dim is None or not tp.enabled:
         return f.get_tensor(key)
+    if parts is not None:
+        part = f.get_slice(key)
+        return torch.cat([part[start:stop] for start, stop in joined_rows(parts, tp)])  # [sum(rows) / world, ...]
     start, stop = tp.span(shape[dim])
     part = f.get_slice(key)
     return part[start:stop] if dim == 0 else part[:, start:stop]

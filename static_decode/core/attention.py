@@ -24,6 +24,9 @@ from static_decode.core.split_attention import split_key_attention
 from static_decode.kernels import cpu_kernel
 
 IMPLS = ("matmul", "sdpa", "matmul_qk", "sdpa_folded", "flex", "split_key", "decode_kernel")  # the formulations
+# The formulations that can softcap the scores (cap * tanh(scores / cap) before the mask, Gemma 2): those whose
+# softmax is our own. SDPA's kernels, flex's score_mod here and the CPU decode kernel take no cap.
+SOFTCAP_IMPLS = ("matmul", "matmul_qk")
 CPU_ONLY = ("decode_kernel",)  # elsewhere they resolve to a general formulation: nothing of their own to measure
 AUTO = "auto"  # resolve_impl: picked per call from the device, the batch and the KV heads
 CHOICES = (*IMPLS, AUTO)
@@ -226,19 +229,27 @@ def step_mask(
     return StepMask(visible, real, bias, window=window, first_block=first)
 
 
-def _masked_softmax_(scores: torch.Tensor, visible: torch.Tensor, dim: int, scale: float) -> torch.Tensor:
-    """softmax(scale * scores) over `dim` where `visible`, 0 elsewhere, in place on the fresh `scores`.
+def _masked_softmax_(
+    scores: torch.Tensor, visible: torch.Tensor, dim: int, scale: float, softcap: float | None = None
+) -> torch.Tensor:
+    """softmax(scale * scores) over `dim` where `visible`, 0 elsewhere, in place on the fresh `scores`; `softcap`:
+    the scaled scores capped to softcap * tanh(scores / softcap) first (transformers' Gemma 2 order).
 
     A fully masked slot has max -inf; it is shifted by the finite dtype minimum instead, so exp(-inf) gives 0
     weights (and the clamped denominator a 0 row), never NaN.
     """
-    scores.mul_(scale).masked_fill_(~visible, -math.inf)
+    scores.mul_(scale)
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    scores.masked_fill_(~visible, -math.inf)
     top = scores.amax(dim=dim, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)
     scores.sub_(top).exp_()
     return scores.div_(scores.sum(dim=dim, keepdim=True).clamp_(min=torch.finfo(scores.dtype).tiny))
 
 
-def _matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepMask) -> torch.Tensor:
+def _matmul(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepMask, softcap: float | None = None
+) -> torch.Tensor:
     # Keys-major scores: K [S, d] @ Q^T [d, G*T] streams K's rows in memory order, which the BLAS GEMM turns
     # into a sequential read; Q @ K^T (query-major, "matmul_qk") reads the same bytes 1.2-2x slower from DRAM
     # here (profiles/attention_cpu.md).
@@ -248,17 +259,20 @@ def _matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepMask) -
     qf = q.reshape(B, Hkv, G * T, d)  # [B, Hkv, G*T, d]: a group's queries share one KV head
     scores = torch.matmul(k, qf.transpose(-1, -2))  # [B, Hkv, S, G*T]; K^T never materialised
     visible = step.visible.transpose(-1, -2)[:, None, :, None, :]  # [B, 1, S, 1, T]
-    _masked_softmax_(scores.view(B, Hkv, S, G, T), visible, dim=2, scale=1.0 / math.sqrt(d))
+    _masked_softmax_(scores.view(B, Hkv, S, G, T), visible, dim=2, scale=1.0 / math.sqrt(d), softcap=softcap)
     return torch.matmul(scores.transpose(-1, -2), v).view(B, Hq, T, d)  # [B, Hkv, G*T, S] @ [B, Hkv, S, d]
 
 
-def _matmul_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepMask) -> torch.Tensor:
+def _matmul_qk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepMask, softcap: float | None = None
+) -> torch.Tensor:
     B, Hq, T, d = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
     qf = q.reshape(B, Hkv, G * T, d)  # [B, Hkv, G*T, d]
     scores = torch.matmul(qf, k.transpose(-1, -2))  # [B, Hkv, G*T, S]: K^T as a transposed view
-    _masked_softmax_(scores.view(B, Hkv, G, T, S), step.visible[:, None, None], dim=-1, scale=1.0 / math.sqrt(d))
+    visible = step.visible[:, None, None]  # [B, 1, 1, T, S]
+    _masked_softmax_(scores.view(B, Hkv, G, T, S), visible, dim=-1, scale=1.0 / math.sqrt(d), softcap=softcap)
     return torch.matmul(scores, v).view(B, Hq, T, d)  # [B, Hq, T, d]
 
 
@@ -360,16 +374,24 @@ def grouped_attention(
     impl: str = DEFAULT_IMPL,
     mask: StepMask | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Device-only attention: q [B, Hq, T, d], k/v [B, Hkv, S, d] (views, S = read length), lens/n_new [B].
 
     `mask`: the step's `step_mask` for these lengths, shapes and `window` (the layer's sliding window, None: off),
-    shared by a step's layers of that window; built here if None. No checks of the tensors and no host reads: this
-    is what a captured step runs. Returns [B, Hq, T, d].
+    shared by a step's layers of that window; built here if None. `softcap`: scores capped to
+    softcap * tanh(scores / softcap) (only SOFTCAP_IMPLS; "auto" is then "matmul"). No checks of the tensors and
+    no host reads: this is what a captured step runs. Returns [B, Hq, T, d].
     """
     if impl not in CHOICES:
         raise ValueError(f"impl must be one of {CHOICES}, got {impl!r}")
     check_window(window)
+    if softcap is not None:
+        impl = "matmul" if impl == AUTO else impl
+        if impl not in SOFTCAP_IMPLS:
+            raise ValueError(f"attention formulation {impl!r} cannot softcap the scores; use one of {SOFTCAP_IMPLS}")
+        if mask is not None and mask.causal:
+            mask = None  # causal SDPA cannot softcap: the offset mask instead
     if mask is not None and not mask.causal and mask.window != window:
         raise ValueError(f"the step mask was built for window {mask.window!r}, this layer's is {window!r}")
     groups = q.shape[1] // max(1, k.shape[1])
@@ -382,7 +404,7 @@ def grouped_attention(
         # A cache in another dtype (Llama.kv_dtype): the SDPA formulations take one dtype, so the queries join the
         # cache's (never the other way: converting K/V would copy the whole read) and the output returns to q's.
         return grouped_attention(
-            q.to(k.dtype), k, v, lens, n_new, impl=impl, mask=mask, window=window
+            q.to(k.dtype), k, v, lens, n_new, impl=impl, mask=mask, window=window, softcap=softcap
         ).to(q.dtype)
     if mask is not None and mask.causal:
         if window is None or q.shape[2] <= window:  # the fresh chunk fits in the window: causal is exact
@@ -397,6 +419,8 @@ def grouped_attention(
         mask = step_mask(
             lens, n_new, q.shape[2], k.shape[2], groups=groups, dtype=q.dtype, impl=impl, window=window
         )
+    if softcap is not None:
+        return _IMPL_FNS[impl](q, k, v, mask, softcap)
     return _IMPL_FNS[impl](q, k, v, mask)
 
 

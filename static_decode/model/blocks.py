@@ -3,20 +3,33 @@
 RMSNorm, rotary GQA attention through the core (`cache.write`, `cache.layer_view`, `grouped_attention`), the
 SwiGLU MLP, and `step_attention` / `run_blocks`: one step's formulation and masks, resolved once and shared by every
 layer (one mask per distinct sliding window among the layers: a layer's window is its own, `Attention.window`).
-Module names mirror transformers' decoder layers, so a checkpoint maps by name. Under tensor parallelism (`tp`) a
-block holds only its rank's slice of the attention and MLP weights and adds the partial sums of o_proj and
-down_proj with one all-reduce each.
+Module names mirror transformers' decoder layers, so a checkpoint maps by name. Gemma's pieces are switches
+of the same modules (LlamaConfig: (1 + weight) norms, the four norms a layer, gelu-tanh, the score scale, softcapped
+scores through the formulations that take it, a second rotary table for the sliding layers). Under tensor
+parallelism (`tp`) a block holds only its rank's slice of the attention and MLP weights and adds the partial sums
+of o_proj and down_proj with one all-reduce each.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from static_decode.core.attention import FRESH, StepMask, check_window, grouped_attention, resolve_impl, step_mask
+from static_decode.core.attention import (
+    AUTO,
+    FRESH,
+    SOFTCAP_IMPLS,
+    StepMask,
+    check_window,
+    grouped_attention,
+    resolve_impl,
+    step_mask,
+)
 from static_decode.core.cache import LayerSpan, StaticKVCache
 from static_decode.model import projection, rope
 from static_decode.model.config import LlamaConfig
@@ -25,18 +38,21 @@ from static_decode.model.parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 and cast back before the weight (as transformers does)."""
+    """x / rms(x) * weight, computed in float32 and cast back before the weight (as transformers does); `plus_one`
+    (Gemma): x / rms(x) * (1 + weight), all in float32, cast back last (transformers' Gemma2RMSNorm)."""
 
     def __init__(
-        self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device | str | None
+        self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device | str | None, plus_one: bool = False
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
-        self.eps = eps
+        self.eps, self.plus_one = eps, plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
@@ -50,8 +66,9 @@ def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torc
 
 class Attention(nn.Module):
     """Rotary GQA self-attention whose K/V live in the static cache (this rank's heads under `tp`); `fused`: q, k
-    and v are one `qkv_proj` (see static_decode.model.joining); `window`: this layer's sliding window (None: every
-    earlier key; LlamaConfig.layer_window)."""
+    and v are one `qkv_proj` (see static_decode.model.joining; always for a checkpoint stored joined, Phi3's, whose
+    name it keeps); `window`: this layer's sliding window (None: every earlier key; LlamaConfig.layer_window);
+    `rope_slot`: which of the step's rotary tables it takes (None: the one; LlamaConfig.layer_rope)."""
 
     def __init__(
         self,
@@ -62,9 +79,14 @@ class Attention(nn.Module):
         tp: TensorParallel,
         fused: bool = True,
         window: int | None = None,
+        rope_slot: int | None = None,
     ) -> None:
         super().__init__()
         self.window = check_window(window)
+        self.rope_slot, self.softcap = rope_slot, cfg.attn_softcap
+        # transformers scales the scores by query_scale; the formulations by head_dim ** -0.5: q takes the ratio.
+        self.q_scale = 1.0 if cfg.query_scale is None else cfg.query_scale * math.sqrt(cfg.head_dim)
+        fused = fused or cfg.joined_checkpoint
         # Local heads: whole GQA groups per rank (tp.check refused a world size that would split one).
         d, hq, hkv = cfg.head_dim, cfg.num_heads // tp.world, cfg.num_kv_heads // tp.world
         kw = {"dtype": dtype, "device": device}
@@ -79,10 +101,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.o_bias, **kw)  # row-parallel
         # Qwen3: one [d] weight shared by every head, so under tp each rank keeps the whole (replicated) weight
         # for the heads it owns; None otherwise (a Python-level branch: each compiled step sees one path).
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, **kw, plus_one=cfg.norm_plus_one) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, **kw, plus_one=cfg.norm_plus_one) if cfg.qk_norm else None
         self.heads, self.kv_heads, self.head_dim, self.tp = hq, hkv, d, tp
-        if fused:
+        if fused and not cfg.joined_checkpoint:
             checkpoint_layout(self, {"qkv_proj": (("q_proj", "k_proj", "v_proj"), self.sizes)})
 
     def qkv_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -126,20 +148,25 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # [B, T, Hq, d], [B, T, Hkv, d]
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, Hq, T, d], [B, Hkv, T, d]
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, d]
+        if self.rope_slot is not None:  # Gemma 3: [2, B, 1, T, r/2], the full layers' table then the sliding ones'
+            cos, sin = cos[self.rope_slot], sin[self.rope_slot]  # [B, 1, T, r/2]
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale  # [B, Hq, T, d]
         kv = cache.k.dtype  # the model's dtype, or the cache's own (Llama.kv_dtype): rounded once, here
         cache.write(layer, k.to(kv), v.to(kv), n_new)  # at the old lengths; padded slots go to the spare row
         k_all, v_all = cache.layer_view(layer, read_len)  # [B, Hkv, read_len, d] views
         out = grouped_attention(
-            q, k_all, v_all, lens_after, n_new, impl=impl, mask=mask, window=self.window
+            q, k_all, v_all, lens_after, n_new, impl=impl, mask=mask, window=self.window, softcap=self.softcap
         )  # [B, Hq, T, d]
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)  # [B, T, Hq_local * d]
         return row_parallel(self.o_proj, out, self.tp)  # [B, T, D], summed over the ranks
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)) (this rank's slice of the inner width under `tp`); `fused`: gate and
-    up are one `gate_up_proj` (see static_decode.model.joining)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)) (this rank's slice of the inner width under `tp`), gelu-tanh in silu's
+    place for Gemma (`hidden_act`); `fused`: gate and up are one `gate_up_proj` (see static_decode.model.joining;
+    always for a checkpoint stored joined, Phi3's, whose name it keeps)."""
 
     def __init__(
         self,
@@ -153,7 +180,8 @@ class MLP(nn.Module):
         super().__init__()
         kw = {"bias": cfg.mlp_bias, "dtype": dtype, "device": device}
         inner = cfg.intermediate_size // tp.world
-        self.fused, self.inner = fused, inner
+        fused = fused or cfg.joined_checkpoint
+        self.fused, self.inner, self.gelu = fused, inner, cfg.hidden_act == "gelu_pytorch_tanh"
         if fused:  # column-parallel: this rank's gate rows, then its up rows (see static_decode.model.joining)
             self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inner, **kw)
         else:
@@ -161,7 +189,7 @@ class MLP(nn.Module):
             self.up_proj = nn.Linear(cfg.hidden_size, inner, **kw)  # column-parallel
         self.down_proj = nn.Linear(inner, cfg.hidden_size, **kw)  # row-parallel
         self.tp = tp
-        if fused:
+        if fused and not cfg.joined_checkpoint:
             checkpoint_layout(self, {"gate_up_proj": (("gate_proj", "up_proj"), (inner, inner))})
 
     def glu_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +199,14 @@ class MLP(nn.Module):
         return self.gate_proj.weight, self.up_proj.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
+        if self.gelu:  # Gemma's GeGLU: gelu_tanh(gate(x)) * up(x)
+            if self.fused:
+                g, u = projection.joined(x, self.gate_up_proj.weight, self.gate_up_proj.bias, (self.inner,) * 2)
+            else:
+                g, u = projection.linear(x, self.gate_proj.weight, self.gate_proj.bias), projection.linear(
+                    x, self.up_proj.weight, self.up_proj.bias)
+            h = F.gelu(g, approximate="tanh") * u  # [B, T, inner]
+        elif self.fused:
             h = projection.glu_joined(x, self.gate_up_proj.weight, self.gate_up_proj.bias)  # [B, T, inner]
         else:
             g, u = self.gate_proj, self.up_proj
@@ -180,7 +215,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)); `window`: its attention's sliding window."""
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)); `window`: its attention's sliding window.
+    With `sandwich_norms` (Gemma 2/3): x + post_attention_norm(attn(input_norm(x))), then
+    + post_feedforward_norm(mlp(pre_feedforward_norm(x)))."""
 
     def __init__(
         self,
@@ -191,11 +228,19 @@ class Block(nn.Module):
         tp: TensorParallel,
         fused: bool = True,
         window: int | None = None,
+        rope_slot: int | None = None,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = Attention(cfg, dtype=dtype, device=device, tp=tp, fused=fused, window=window)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        kw = {"dtype": dtype, "device": device, "plus_one": cfg.norm_plus_one}
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.self_attn = Attention(
+            cfg, dtype=dtype, device=device, tp=tp, fused=fused, window=window, rope_slot=rope_slot
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, dtype=dtype, device=device, tp=tp, fused=fused)
 
 
@@ -206,6 +251,12 @@ StepMasks = Mapping[int | None, StepMask | None]
 def layer_windows(blocks: Iterable[Block]) -> tuple[int | None, ...]:
     """The distinct sliding windows of `blocks`, in order of first appearance (None: full causal attention)."""
     return tuple(dict.fromkeys(block.self_attn.window for block in blocks))
+
+
+def softcapped(blocks: Iterable[Block]) -> bool:
+    """Whether any of `blocks` softcaps its attention scores (Gemma 2): the step then needs a formulation that
+    takes it (step_attention)."""
+    return any(block.self_attn.softcap is not None for block in blocks)
 
 
 def step_attention(
@@ -222,13 +273,24 @@ def step_attention(
     fresh: bool = False,
     skip: Sequence[str] = (),
     windows: Iterable[int | None] = (None,),
+    softcap: bool = False,
 ) -> tuple[str, StepMasks]:
     """The formulation one step's attention runs (`attention.resolve_impl`: "auto" by device, batch, KV heads and
     query rows) and its masks, one per sliding window in `windows` (the layers' `layer_windows`), each built once
     and shared by the layers of that window: FRESH for a fresh chunk (causal SDPA, no mask) that fits in the
     window, None where there is nothing to mask (flex and decode_kernel evaluate their own inside the kernel; no
     keys or no slots), else `attention.step_mask` in the cache's dtype `kv_dtype`. `skip`: formulations resolved
-    past."""
+    past. `softcap` (some layer softcaps its scores: `softcapped`): "auto" is "matmul", a formulation that cannot
+    softcap (attention.SOFTCAP_IMPLS) is refused naming it, and a fresh chunk gets its mask (no causal SDPA)."""
+    if softcap:
+        if impl == AUTO:
+            impl = "matmul"
+        elif impl not in SOFTCAP_IMPLS:
+            raise ValueError(
+                f"attention formulation {impl!r} cannot softcap the scores (this model's attn_logit_softcapping); "
+                f"use one of {', '.join(SOFTCAP_IMPLS)} or 'auto'"
+            )
+        fresh = False
     impl = resolve_impl(
         impl, lens_after.shape[0], kv_heads, groups * T, lens_after.device, head_dim, kv_dtype, groups=groups,
         skip=skip,
@@ -268,8 +330,13 @@ def run_blocks(
         if block.self_attn.window not in masks:
             raise ValueError(f"no step mask for window {block.self_attn.window!r}: built for {tuple(masks)}")
         mask = masks[block.self_attn.window]
-        x = x + block.self_attn(h, cos, sin, kv, j, n_new, lens_after, read_len, impl, mask)
-        x = x + block.mlp(block.post_attention_layernorm(x))
+        a = block.self_attn(h, cos, sin, kv, j, n_new, lens_after, read_len, impl, mask)  # [B, T, D]
+        if block.sandwich:  # Gemma: the outputs normed before they join the residual
+            x = x + block.post_attention_layernorm(a)
+            x = x + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(x)))
+        else:
+            x = x + a
+            x = x + block.mlp(block.post_attention_layernorm(x))
     return x
 
 

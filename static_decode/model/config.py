@@ -1,6 +1,7 @@
 """The Llama-family model configuration: a validated dataclass, read from a transformers config.json.
 
-One decoder covers several transformers architectures (Llama, Mistral, Qwen2, Qwen3); what differs between them is a
+One decoder covers several transformers architectures (Llama, Mistral, Qwen2, Qwen3, Phi3; Gemma 2 and 3 read by
+static_decode.model.gemma_config); what differs between them is a
 handful of switches that `LlamaConfig.from_hf` maps each architecture's config.json keys onto: biases, Qwen3's q/k
 norms, an explicit head_dim, per-layer sliding windows (a mask, not a bound on the cache). Both transformers rope
 spellings are read (static_decode.model.rope_config). Per family: docs/internals.md#config.
@@ -13,9 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from static_decode.base.checks import check_int, is_number
+from static_decode.model.gemma_config import GEMMA, HIDDEN_ACTS, gemma_switches
 from static_decode.model.rope_config import RopeConfig, rope_from_hf
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", *GEMMA,
+)
+JOINED_ON_DISK = ("Phi3ForCausalLM",)  # checkpoints that store q/k/v and gate/up joined (qkv_proj, gate_up_proj)
 # transformers' layer kinds (Qwen2/Qwen3 `layer_types`): which layers attend through a sliding window.
 LAYER_TYPES = ("full_attention", "sliding_attention")
 QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's default: a config.json without head_dim means 128
@@ -53,6 +58,14 @@ class LlamaConfig:
     # Which layers slide (Qwen2/Qwen3's layer_types or max_window_layers), one bool a layer; None: every layer does
     # when sliding_window is set.
     sliding_layers: tuple[bool, ...] | None = None
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU)
+    norm_plus_one: bool = False  # Gemma: every RMSNorm scales by (1 + weight), in float32 before the cast back
+    sandwich_norms: bool = False  # Gemma 2/3: norms on the attention and MLP outputs and before the MLP (4 a layer)
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size), rounded to the model dtype
+    query_scale: float | None = None  # the scores' scale (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim**-0.5
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap) before the mask and softmax
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    local_rope: RopeConfig | None = None  # Gemma 3: the sliding layers' own rotary embedding; None: `rope` everywhere
     architecture: str = "LlamaForCausalLM"  # the transformers class this config was read for (informational)
     eos_token_ids: tuple[int, ...] = ()  # ids that end a sequence (generation_config.json or config.json)
 
@@ -102,11 +115,38 @@ class LlamaConfig:
         if not isinstance(self.rope, RopeConfig):
             raise TypeError(f"rope must be a RopeConfig, got {type(self.rope).__name__}")
         self.rope.check(self.head_dim)
+        if self.local_rope is not None:
+            if not isinstance(self.local_rope, RopeConfig):
+                raise TypeError(f"local_rope must be a RopeConfig or None, got {type(self.local_rope).__name__}")
+            self.local_rope.check(self.head_dim)
+            if self.local_rope.rotary_dim(self.head_dim) != self.rope.rotary_dim(self.head_dim):
+                raise ValueError("local_rope must rotate as many dims of a head as rope")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {', '.join(HIDDEN_ACTS)}, got {self.hidden_act!r}")
+        for name in ("norm_plus_one", "sandwich_norms", "embed_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("query_scale", "attn_softcap", "final_softcap"):
+            if getattr(self, name) is not None:
+                _check_positive_float(name, getattr(self, name))
         ids = tuple(self.eos_token_ids)
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
                 raise ValueError(f"eos token id {i!r} must be an int in 0..{self.vocab_size - 1}")
         object.__setattr__(self, "eos_token_ids", ids)
+
+    @property
+    def joined_checkpoint(self) -> bool:
+        """Whether the checkpoint stores q/k/v and gate/up joined (Phi3's qkv_proj, gate_up_proj): the model then
+        keeps those joined linears under those names (static_decode.model.joining)."""
+        return self.architecture in JOINED_ON_DISK
+
+    def layer_rope(self, layer: int) -> int | None:
+        """Which rotary table layer `layer` takes: None where the model has one (`rope`), else 0 (`rope`, the full
+        layers) or 1 (`local_rope`, the sliding layers)."""
+        if self.local_rope is None:
+            return None
+        return 0 if self.layer_window(layer) is None else 1
 
     @property
     def groups(self) -> int:
@@ -143,6 +183,9 @@ class LlamaConfig:
                 f"supported: {', '.join(ARCHITECTURES)}"
             )
         arch = archs[0]
+        if arch in GEMMA:
+            eos = eos_ids(hf.get("eos_token_id"), "config.json key 'eos_token_id'")
+            return cls(**gemma_switches(arch, hf), eos_token_ids=eos)
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported activation: config.json key 'hidden_act' is {act!r}; only 'silu'")
@@ -156,8 +199,8 @@ class LlamaConfig:
         missing = [k for k in required if k not in hf]
         if missing:
             raise ValueError(f"config.json lacks required key(s): {', '.join(missing)}")
-        rope = rope_from_hf(hf)
-        if rope.partial_rotary_factor != 1.0:
+        rope = rope_from_hf(_phi3_rope_names(hf) if arch == "Phi3ForCausalLM" else hf)
+        if rope.partial_rotary_factor != 1.0 and arch != "Phi3ForCausalLM":
             # transformers' classes for these architectures rotate every dim of a head whatever the key says
             # (default rope) or fail (scaled rope): the key cannot describe one of their checkpoints.
             raise ValueError(
@@ -204,8 +247,24 @@ def _family_switches(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
     if arch == "Qwen2ForCausalLM":
         # Qwen2 hard-codes biases on q/k/v and none on o_proj or the MLP.
         return {"qkv_bias": True, **_qwen_window(hf)}
+    if arch == "Phi3ForCausalLM":
+        # transformers' Phi3: every projection bias-free, `sliding_window` (null or an int) on every layer.
+        return {"sliding_window": hf.get("sliding_window")}
     attn = _flag(hf, "attention_bias")  # Qwen3ForCausalLM
     return {"qkv_bias": attn, "o_bias": attn, "qk_norm": True, **_qwen_window(hf)}
+
+
+def _phi3_rope_names(hf: dict[str, Any]) -> dict[str, Any]:
+    """Phi3's older rope type names, as transformers' Phi3Config renames them: "su" and "yarn" mean longrope."""
+    out = dict(hf)
+    for key in ("rope_scaling", "rope_parameters"):
+        params = hf.get(key)
+        if isinstance(params, dict):
+            for name in ("type", "rope_type"):
+                if params.get(name) in ("su", "yarn"):
+                    params = {**params, name: "longrope"}
+            out[key] = params
+    return out
 
 
 def _qwen_window(hf: dict[str, Any]) -> dict[str, Any]:

@@ -37,6 +37,11 @@ def unsupported(model: Llama, cache: StaticKVCache) -> str | None:
         (model.dtype == torch.bfloat16 and not cpu_kernel.bf16_dot(), "bfloat16 weights need AVX512-BF16"),
         (c.qkv_bias or c.o_bias or c.mlp_bias, "projection biases"),
         (c.qk_norm, "q/k norms (Qwen3)"),
+        (c.attn_softcap is not None, "softcapped attention scores (Gemma 2): the kernel's softmax takes no cap"),
+        (c.sandwich_norms or c.norm_plus_one, "Gemma's (1 + weight) norms, four a layer"),
+        (c.hidden_act != "silu", f"MLP activation {c.hidden_act} (the kernel's is SwiGLU)"),
+        (c.query_scale is not None, "a score scale other than head_dim ** -0.5 (query_pre_attn_scalar)"),
+        (c.local_rope is not None, "a second rotary table for the sliding layers (Gemma 3)"),
         (c.rope.rotary_dim(c.head_dim) != c.head_dim, "partial rotary embedding (the kernel rotates whole heads)"),
         (not cpu_kernel.supports(groups, c.head_dim, cache.dtype, cache.device), f"head_dim {c.head_dim}"),
     )

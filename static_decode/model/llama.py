@@ -19,7 +19,15 @@ from torch import nn
 from static_decode.core.attention import CHOICES, DEFAULT_IMPL, IMPLS
 from static_decode.core.cache import IntsLike, StaticKVCache
 from static_decode.model import projection, rope
-from static_decode.model.blocks import Block, LayerRunner, RMSNorm, layer_windows, run_blocks, step_attention
+from static_decode.model.blocks import (
+    Block,
+    LayerRunner,
+    RMSNorm,
+    layer_windows,
+    run_blocks,
+    softcapped,
+    step_attention,
+)
 from static_decode.model.config import LlamaConfig
 from static_decode.model.parallel import SINGLE, TensorParallel
 
@@ -47,6 +55,7 @@ class Llama(nn.Module):
 
     inv_freq: torch.Tensor
     long_inv_freq: torch.Tensor | None  # longrope's table past the original context; None for the other types
+    local_inv_freq: torch.Tensor | None  # Gemma 3: the sliding layers' table (config.local_rope); None without one
     # Formulations this model's steps resolve past (attention.resolve_impl's `skip`): set only on a view, see skipping.
     attn_skip: tuple[str, ...] = ()
     # Set by the capture layer around the calls of its compiled steps (capture.regions); read only while tracing.
@@ -81,10 +90,15 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)  # replicated
         self.fused_projections = fused_projections
         self.layers = nn.ModuleList(
-            Block(config, **kw, tp=tp, fused=fused_projections, window=config.layer_window(i))
+            Block(
+                config, **kw, tp=tp, fused=fused_projections, window=config.layer_window(i),
+                rope_slot=config.layer_rope(i),
+            )
             for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        # Gemma: the embedding times sqrt(D) rounded to the model dtype first, as transformers multiplies it.
+        self.embed_mult = float(torch.tensor(config.hidden_size**0.5).to(dtype)) if config.embed_scale else None
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw, plus_one=config.norm_plus_one)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -93,6 +107,7 @@ class Llama(nn.Module):
         half = config.rope.rotary_dim(config.head_dim) // 2
         self.register_buffer("inv_freq", torch.empty(half, device=device), persistent=False)
         self.register_buffer("long_inv_freq", None, persistent=False)
+        self.register_buffer("local_inv_freq", None, persistent=False)
         self.reset_rope()
 
     def reset_rope(self) -> None:
@@ -101,14 +116,22 @@ class Llama(nn.Module):
         self.inv_freq = rope.inv_freq(c.rope, c.head_dim, device=device)
         if c.rope.type == "longrope":
             self.long_inv_freq = rope.long_inv_freq(c.rope, c.head_dim, device=device)
+        if c.local_rope is not None:
+            self.local_inv_freq = rope.inv_freq(c.local_rope, c.head_dim, device=device)
 
     def rotary(self, positions: torch.Tensor, seq_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [B, 1, T, r/2] in the model's dtype for positions [B, T] of rows whose lengths after the step
         are seq_len [B] (the length picks the table of the "dynamic" and "longrope" types; rope.step_freq), scaled
-        by the attention factor (yarn, longrope)."""
+        by the attention factor (yarn, longrope). With a local rope (Gemma 3) both are [2, B, 1, T, r/2]: the full
+        layers' table, then the sliding layers' (Attention.rope_slot picks one)."""
         c = self.config
         freq = rope.step_freq(c.rope, c.head_dim, self.inv_freq, self.long_inv_freq, seq_len)  # [r/2] | [B, 1, r/2]
-        return rope.cos_sin(freq, positions, self.dtype, rope.attention_factor(c.rope))
+        cos, sin = rope.cos_sin(freq, positions, self.dtype, rope.attention_factor(c.rope))
+        if c.local_rope is None or self.local_inv_freq is None:
+            return cos, sin
+        local = rope.step_freq(c.local_rope, c.head_dim, self.local_inv_freq, None, seq_len)
+        lcos, lsin = rope.cos_sin(local, positions, self.dtype, rope.attention_factor(c.local_rope))
+        return torch.stack((cos, lcos)), torch.stack((sin, lsin))  # [2, B, 1, T, r/2] each
 
     @property
     def dtype(self) -> torch.dtype:
@@ -166,8 +189,10 @@ class Llama(nn.Module):
         T = tokens.shape[1]
         positions = cache.lens[:, None] + torch.arange(T, device=tokens.device)  # [B, T] old lens + slot
         lens_after = cache.lens + n_new  # [B]
-        cos, sin = self.rotary(positions, lens_after)  # [B, 1, T, r/2]
+        cos, sin = self.rotary(positions, lens_after)  # [B, 1, T, r/2] ([2, B, 1, T, r/2] with a local rope)
         x = self.embed_tokens(tokens)  # [B, T, D]
+        if self.embed_mult is not None:
+            x = x * self.embed_mult  # [B, T, D]
         if self.layer_runner is not None and torch.compiler.is_compiling():
             # A compiled step whose blocks run as separately compiled layer regions (capture.regions, the CPU
             # default): the runner is traced as opaque calls; eager steps always take the inline loop below.
@@ -176,7 +201,7 @@ class Llama(nn.Module):
             groups = self.config.num_heads // self.config.num_kv_heads
             impl, mask = step_attention(
                 self.attn_impl, groups, cache.kv_heads, lens_after, n_new, T, read_len, cache.head_dim, cache.dtype,
-                fresh=fresh, skip=self.attn_skip, windows=layer_windows(self.layers),
+                fresh=fresh, skip=self.attn_skip, windows=layer_windows(self.layers), softcap=softcapped(self.layers),
             )
             x = run_blocks(self.layers, x, cos, sin, cache, n_new, lens_after, read_len, impl, mask)
         cache.advance(n_new)
@@ -194,9 +219,11 @@ class Llama(nn.Module):
         return view
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits [..., V] from final-normed hidden states [..., D]."""
+        """Logits [..., V] from final-normed hidden states [..., D] (Gemma 2: cap * tanh(logits / cap))."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return projection.linear(h, weight)
+        logits = projection.linear(h, weight)
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def step(
         self, tokens: torch.Tensor, cache: StaticKVCache, n_new: torch.Tensor, read_len: int

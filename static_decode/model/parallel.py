@@ -163,5 +163,16 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
+def joined_rows(parts: tuple[int, ...], tp: TensorParallel) -> list[tuple[int, int]]:
+    """[start, stop) rows of this rank's slice of each part of a weight stored joined by rows (Phi3's qkv_proj: q,
+    k, v; gate_up_proj: gate, up), in the joined tensor's row numbers: a rank's joined weight stacks them."""
+    spans, offset = [], 0
+    for rows in parts:
+        start, stop = tp.span(rows)
+        spans.append((offset + start, offset + stop))
+        offset += rows
+    return spans
+
+
 def divisors(n: int) -> list[int]:
     return [w for w in range(1, n + 1) if n % w == 0]

@@ -76,7 +76,11 @@ def hf_llama(
 
 
 # family -> transformers class prefix ({prefix}Config, {prefix}ForCausalLM)
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+FAMILIES = {
+    "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3", "gemma2": "Gemma2",
+    "gemma3": "Gemma3",
+}
+CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}  # where the config class is not {prefix}Config
 
 
 def hf_family(
@@ -89,9 +93,9 @@ def hf_family(
     eos: int | list[int] | None = None,
     **config: Any,
 ):
-    """A random tiny transformers {Llama,Mistral,Qwen2,Qwen3}ForCausalLM: hidden 64, 4 query / `kv_heads` KV heads,
-    vocab 96, rope theta 1e6 (not the 1e4 default, so a theta read from the wrong key shows). `config` adds the
-    family's own keys (head_dim, attention_bias, mlp_bias, sliding_window, use_sliding_window, ...).
+    """A random tiny transformers {Llama,Mistral,Qwen2,Qwen3,Phi3,Gemma2,Gemma3}ForCausalLM: hidden 64, 4 query /
+    `kv_heads` KV heads, vocab 96, rope theta 1e6 (not the 1e4 default, so a theta read from the wrong key shows).
+    `config` adds the family's own keys (head_dim, attention_bias, mlp_bias, sliding_window, use_sliding_window, ...).
 
     Biases and RMSNorm weights are drawn at random: transformers initialises them to 0 and 1, which would hide a
     bias that is missing, added on every rank, or a q/k norm applied to the wrong axis or not at all."""
@@ -99,7 +103,7 @@ def hf_family(
 
     prefix = FAMILIES[family]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, f"{prefix}Config")(
+    cfg = getattr(transformers, CONFIG_CLASSES.get(family, f"{prefix}Config"))(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -115,6 +119,8 @@ def hf_family(
         pad_token_id=None,
         **config,
     )
+    if family.startswith("gemma"):
+        cfg._attn_implementation = "eager"  # transformers' own path for softcapped scores
     model = getattr(transformers, f"{prefix}ForCausalLM")(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
