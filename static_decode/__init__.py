@@ -19,6 +19,7 @@ _EXPORTS = {
     "LlamaConfig": "static_decode.model.config",
     "StaticKVCache": "static_decode.core.cache",
     "TensorParallel": "static_decode.model.parallel",
+    "TokenLogprob": "static_decode.steps.logprobs",
     "gqa_attention": "static_decode.core.attention",
     "grouped_attention": "static_decode.core.attention",
     "load_model": "static_decode.checkpoints.loading",

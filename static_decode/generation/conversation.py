@@ -84,6 +84,9 @@ class Conversation:
             max_batch=None, draft_slots=drafts,
         )
         gen.check_penalty(req)
+        if req.logprobs is not None or req.prompt_logprobs is not None:
+            raise ValueError("logprobs and prompt_logprobs are not supported on a Conversation's turns; use "
+                             "Generator.generate (or a PrefixCache) for a scored request")
         every = gen.read_every if read_every is None else check_int("read_every", read_every, minimum=1)
         return req, feed, every
 

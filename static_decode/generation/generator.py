@@ -21,7 +21,7 @@ from capture.settings import CaptureOptions
 from static_decode.base import ranges
 from static_decode.base.checks import check_int
 from static_decode.core.cache import StaticKVCache
-from static_decode.generation import structured
+from static_decode.generation import scoring, structured
 from static_decode.generation.memory import cache_bytes, check_fits, generation_bytes
 from static_decode.generation.request import Request, SamplingOptions, SamplingParams, check_request
 from static_decode.generation.speculative_loop import decode_speculative
@@ -35,7 +35,9 @@ from static_decode.steps.functions import (
     StepBuffers,
     StepFn,
     StepRunner,
+    logprobs,
     prefill_long,
+    prefill_scored,
     read_rows,
     sampling,
 )
@@ -68,6 +70,10 @@ class Generator:
     same buffers with the spare rows idle, so the step shapes do not change. Not re-entrant: finish (or close)
     one stream before starting the next request.
 
+    max_logprobs (None: off): the steps also keep every emitted token's logprob and its `max_logprobs` best
+    alternatives (a top-k over the vocabulary per step), so requests may ask for `logprobs` / `prompt_logprobs` up
+    to it (SamplingParams; the records: static_decode.steps.logprobs).
+
     grammar_tables ((states, token classes); None: off): the device tables of structured output, so requests may
     set SamplingParams.grammar (structured.DEFAULT_GRAMMAR_TABLES: 1024 x 1024, 4 MiB of int32 next states, plus
     4 B a token and 1 B a token per row). `structured_path` says which path the last request took ("device",
@@ -87,6 +93,7 @@ class Generator:
         read_every: int = DEFAULT_READ_EVERY,
         capture: CaptureOptions | None = None,
         speculate: Speculation | None = None,
+        max_logprobs: int | None = None,
         grammar_tables: tuple[int, int] | None = None,
     ) -> None:
         if not isinstance(model, Llama):
@@ -105,6 +112,8 @@ class Generator:
                     f"long_chunk={long_chunk} must exceed chunk_size={self.chunk_size} (or be 0: no long chunks)"
                 )
         self.read_every = check_int("read_every", read_every, minimum=1)
+        self.max_logprobs = None if max_logprobs is None else check_int("max_logprobs", max_logprobs, minimum=0)
+        self.prompt_logprobs: list | None = None  # the last request's prompt records (prompt_logprobs set)
         if grammar_tables is not None:
             grammar_tables = (check_int("grammar_tables states", grammar_tables[0], minimum=1),
                               check_int("grammar_tables classes", grammar_tables[1], minimum=1))
@@ -188,7 +197,7 @@ class Generator:
         need = generation_bytes(
             m.config, batch, self.max_len, self.chunk_size, len(self.eos_token_ids), m.dtype, kv_heads=m.kv_heads,
             draft_tokens=K, draft_vocab=draft_vocab, long_chunk=self.long_chunk, kv_dtype=m.kv_dtype,
-            grammar=self.grammar_tables,
+            logprobs=self.max_logprobs, grammar=self.grammar_tables,
         )
         if draft is not None:
             need += cache_bytes(draft.config, batch, self.max_len, draft.kv_dtype, kv_heads=draft.kv_heads)
@@ -202,7 +211,7 @@ class Generator:
         self.bufs = StepBuffers.allocate(
             batch, self.chunk_size, self.max_len, m.config.hidden_size, len(self.eos_token_ids),
             dtype=m.dtype, device=m.device, draft_tokens=K, draft_vocab=draft_vocab, long_chunk=self.long_chunk,
-            vocab=m.config.vocab_size, grammar=self.grammar_tables,
+            vocab=m.config.vocab_size, logprobs=self.max_logprobs, grammar=self.grammar_tables,
         )
         steps = dict(STEPS)
         if spec is not None:
@@ -228,7 +237,8 @@ class Generator:
     def check_penalty(self, req: Request) -> None:
         """The repetition, presence and frequency penalties change the target's distribution token by token, which
         a verify step's drafts were not drawn from, and the verify steps apply neither min_p nor the logit bias:
-        each is refused with speculation (naming the first one set)."""
+        each is refused with speculation (naming the first one set). Also refused: logprobs past `max_logprobs`."""
+        scoring.check(req, self.max_logprobs)
         if req.grammar is not None and self.speculate is not None:
             raise ValueError("grammar (structured output) is not supported with speculative decoding")
         if req.grammar is not None and self.grammar_tables is None:
@@ -253,7 +263,9 @@ class Generator:
 
         How tokens are picked: `sampling` (default greedy) with `options` over it, SamplingParams' fields by name
         (`temperature`, `top_k`, `top_p`, `seed`, `stop_at_eos`, `repeat_penalty`, `min_p`, `presence_penalty`,
-        `frequency_penalty`, `logit_bias`); checked before anything runs.
+        `frequency_penalty`, `logit_bias`, `logprobs`, `prompt_logprobs`); checked before anything runs. With
+        `logprobs` set, each new token is a TokenLogprob record instead of an id; with `prompt_logprobs`, the
+        prompt's records are `self.prompt_logprobs` afterwards (the first token's logprob None).
         """
         req = self._check(prompt, max_new_tokens, SamplingParams.of(sampling, **options))
         out: list[list[int]] = [[] for _ in req.rows]
@@ -338,15 +350,16 @@ class Generator:
         self.structured_why = None if req.grammar is None else structured.why_host(req.grammar, bufs, eos)
         return history
 
-    def _prefill(self, rows: list[list[int]]) -> None:
+    def _prefill(self, rows: list[list[int]], score: bool = False) -> None:
         """Feed the prompts in chunks (the last padded); rows run out at their length. While the longest row has
         `long_chunk` tokens left, a long chunk runs uncompiled at the exact live read length (see
-        DEFAULT_LONG_CHUNK); the rest goes in chunk_size chunks through the runner (compiled, captured)."""
+        DEFAULT_LONG_CHUNK); the rest goes in chunk_size chunks through the runner (compiled, captured). score:
+        every chunk is a chunk_size `prefill_scored` (uncompiled), which keeps each prompt token's logprob."""
         cache, bufs = self.cache, self.bufs
         lens = np.array([len(r) for r in rows] + [0] * (cache.batch - len(rows)), dtype=np.int64)
         start, longest = 0, int(lens.max())
         while start < longest:
-            long = self.long_chunk > 0 and longest - start >= self.long_chunk
+            long = not score and self.long_chunk > 0 and longest - start >= self.long_chunk
             C = self.long_chunk if long else self.chunk_size
             n = np.clip(lens - start, 0, C)
             chunk = np.zeros((cache.batch, C), dtype=np.int64)
@@ -360,6 +373,13 @@ class Generator:
                 if long:  # (the caller holds no_grad)
                     fresh = bool((cache.host_lens == 0).all() and (n == C).all())  # causal SDPA, no mask
                     prefill_long(self.model, cache, bufs, longest_after, fresh=fresh)
+                elif score:
+                    targets = logprobs.prompt_targets(rows, start, C, cache.batch)  # [B, C]
+                    prefill_scored(self.model, cache, bufs, longest_after,
+                                   targets=torch.from_numpy(targets).to(cache.device), start=start)
+                    if self.draft_cache is not None:
+                        read_len = self.read_len(longest_after)
+                        self.step_fn("draft_prefill", read_len)(self.model, cache, bufs, read_len)
                 else:
                     read_len = self.read_len(longest_after)
                     self.step_fn("prefill", read_len)(self.model, cache, bufs, read_len)
@@ -392,6 +412,7 @@ class Generator:
         constraint = self._constraint
         if constraint is not None and constraint.path == "host":
             every = 1  # the host writes each step's mask from the token before it
+        self.prompt_logprobs = None
         t0 = time.perf_counter()
         cache, bufs, model, R, max_new = self.cache, self.bufs, self.model, len(req.rows), req.max_new_tokens
         eos = set(self.eos_token_ids) if req.stop_at_eos else set()
@@ -405,15 +426,19 @@ class Generator:
         try:
             # Grad mode is set per launch, never held across a yield (it is thread-global state of the caller).
             with torch.no_grad():
-                self._prefill(req.rows)
+                self._prefill(req.rows, score=req.prompt_logprobs is not None)
                 with sample_range:
                     self.step_fn("first_greedy" if req.greedy else "first", 0)(model, cache, bufs, 0)
+            self.prompt_logprobs = scoring.prompt_records(bufs, req)  # before a decode step writes their columns
             if self.speculate is not None:
                 piece = read_rows(bufs, 1, finished, emitted, eos, max_new)
                 t1 = time.perf_counter()
-                yield piece
+                yield scoring.records(bufs, req, piece, emitted)
                 policy = SpeculationPolicy(self.speculate)
-                steps = yield from decode_speculative(self, req, every, policy, finished, emitted, eos, history)
+                steps = yield from scoring.mapped(
+                    decode_speculative(self, req, every, policy, finished, emitted, eos, history),
+                    lambda piece: scoring.records(bufs, req, piece, emitted),
+                )
             else:
                 steps = 0
                 longest = int(cache.host_lens.max())  # exact now; an upper bound from here on
@@ -425,7 +450,7 @@ class Generator:
                             constraint.update(bufs, piece, finished)
                         if steps == 0:
                             t1 = time.perf_counter()
-                        yield piece
+                        yield scoring.records(bufs, req, piece, emitted)
                         if steps + 1 == max_new or finished.all():
                             break
                     steps += 1

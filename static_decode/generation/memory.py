@@ -59,13 +59,14 @@ def generation_bytes(
     draft_vocab: int = 0,
     long_chunk: int = 0,
     kv_dtype: torch.dtype | None = None,
+    logprobs: int | None = None,
     grammar: tuple[int, int] | None = None,
 ) -> int:
     """Device bytes a Generator allocates for `batch` rows of `max_len` tokens: the KV cache (with its one spare
     position; in `kv_dtype`, default `dtype`) plus the step buffers, whose output holds max_len tokens per row (a
     draft model's own cache is `cache_bytes` of its config, added by the caller; `seen` spans the config's
-    vocabulary; `grammar`: the (states, token classes) of the grammar tables, None: none). Python ints: no overflow
-    however large max_len is."""
+    vocabulary; `logprobs`: the top logprobs kept per token, None: none; `grammar`: the (states, token classes) of the
+    grammar tables, None: none). Python ints: no overflow however large max_len is."""
     batch = check_int("batch", batch, minimum=0)
     max_len = check_int("max_len", max_len, minimum=1)
     chunk_size = check_int("chunk_size", chunk_size, minimum=1)
@@ -73,7 +74,7 @@ def generation_bytes(
     kv = dtype if kv_dtype is None else kv_dtype
     layout = buffer_layout(batch, chunk_size, max_len, config.hidden_size, eos_slots, dtype=dtype,
                            draft_tokens=draft_tokens, draft_vocab=draft_vocab, long_chunk=long_chunk,
-                           vocab=config.vocab_size, grammar=grammar)
+                           vocab=config.vocab_size, logprobs=logprobs, grammar=grammar)
     return cache_bytes(config, batch, max_len, kv, kv_heads=kv_heads) + layout_bytes(layout)
 
 

@@ -53,9 +53,10 @@ class PrefixCache:
         """The tokens the cache holds for the next request (empty when another request reset it)."""
         return self.tokens if self._epoch == self.gen.epoch else []
 
-    def plan(self, prompt: Sequence[int]) -> Reuse:
-        """How many tokens of `prompt` the next request would reuse and prefill (nothing changes)."""
-        held = self.cached()
+    def plan(self, prompt: Sequence[int], scored: bool = False) -> Reuse:
+        """How many tokens of `prompt` the next request would reuse and prefill (nothing changes). scored: the
+        request asks for prompt logprobs, which only a prefill of the whole prompt computes (nothing is reused)."""
+        held = [] if scored else self.cached()
         keep = min(common_prefix(held, prompt), len(prompt) - 1)
         if self.gen.draft_cache is not None and keep < len(held):
             keep = 0  # the draft cache cannot be cut back
@@ -82,7 +83,7 @@ class PrefixCache:
             prompt, max_new_tokens, params, vocab_size=gen.model.config.vocab_size, max_len=gen.max_len,
             max_batch=1, draft_slots=gen.draft_slots,
         )
-        reuse = self.plan(prompt)
+        reuse = self.plan(prompt, params.prompt_logprobs is not None)
         req = check_request(
             prompt[reuse.cached :], max_new_tokens, params, vocab_size=gen.model.config.vocab_size,
             max_len=gen.max_len - reuse.cached, max_batch=1, draft_slots=gen.draft_slots,
@@ -95,11 +96,12 @@ class PrefixCache:
         gen = self.gen
         if gen._busy:  # checked before the cache is touched: the open request keeps its cache
             raise RuntimeError("the generator is still running a stream: finish or close it first")
-        if self.plan(prompt) != reuse:  # another request ran on the generator since stream() planned this one
+        scored = req.prompt_logprobs is not None
+        if self.plan(prompt, scored) != reuse:  # another request ran on the generator since stream() planned this
             raise RuntimeError(
                 f"the cache changed between stream() and this request's first token (it planned to reuse "
-                f"{reuse.cached} cached tokens, {self.plan(prompt).cached} are there now); nothing was run: call "
-                "stream() again"
+                f"{reuse.cached} cached tokens, {self.plan(prompt, scored).cached} are there now); nothing was run: "
+                "call stream() again"
             )
         if reuse.cached:
             self._cut(reuse.cached)
@@ -111,7 +113,7 @@ class PrefixCache:
         try:
             for piece in pieces:
                 started = True
-                reply.extend(piece[0])
+                reply.extend(t if isinstance(t, int) else t.token for t in piece[0])  # ids or logprob records
                 yield piece[0]
             complete = True
         finally:

@@ -36,6 +36,8 @@ class SamplingOptions(TypedDict, total=False):
     presence_penalty: float | None
     frequency_penalty: float | None
     logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] | None
+    logprobs: int | None
+    prompt_logprobs: int | None
     grammar: Grammar | None
 
 
@@ -59,6 +61,12 @@ class SamplingParams:
     repeat_penalty, then the presence and frequency penalties apply to greedy and sampled rows alike (vLLM's and
     llama.cpp's order).
 
+    logprobs (an int >= 0; None = off, vLLM's name): return each emitted token with its logprob and the `logprobs`
+    best alternatives (static_decode.steps.logprobs.TokenLogprob) instead of its bare id; prompt_logprobs likewise
+    for every prompt token given its prefix (Generator.prompt_logprobs). Both are of the model's own distribution,
+    log_softmax of its logits before the bias, penalties, temperature and filters (vLLM's default); at most the
+    generator's `max_logprobs` alternatives.
+
     grammar (a static_decode.generation.structured.Grammar: `Grammar.json_schema(schema, tokenizer)` or
     `Grammar.json_object(tokenizer)`; None = free text): every token is one the grammar allows, and EOS only where
     the text is complete; a row ends when its text can go no further. Compiled once, reused across requests."""
@@ -73,6 +81,8 @@ class SamplingParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: Mapping[int, float] | LogitBias | None = None  # kept as LogitBias
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
@@ -101,7 +111,9 @@ class SamplingParams:
             if v is not None and (not is_number(v) or not lo <= v <= hi):
                 raise ValueError(f"{name} must be a number in [{lo:g}, {hi:g}] (0 = off), got {v!r}")
             counted[name] = None if v is None else float(v)
-        for name, value in (("temperature", float(t)), ("top_k", top_k), ("seed", seed),
+        scored = {name: None if getattr(self, name) is None else check_int(name, getattr(self, name), minimum=0)
+                  for name in ("logprobs", "prompt_logprobs")}
+        for name, value in (("temperature", float(t)), ("top_k", top_k), ("seed", seed), *scored.items(),
                             ("top_p", None if top_p is None else float(top_p)),
                             ("repeat_penalty", None if penalty is None else float(penalty)),
                             ("stop_at_eos", bool(self.stop_at_eos)),
@@ -168,6 +180,8 @@ class Request:
     presence_penalty: float = 0.0  # 0 = off
     frequency_penalty: float = 0.0  # 0 = off
     logit_bias: LogitBias = ()  # (token id, bias) pairs, ids in the vocabulary
+    logprobs: int | None = None  # alternatives per emitted token's record (None: ids, no records)
+    prompt_logprobs: int | None = None  # alternatives per prompt token's record (None: none scored)
     grammar: Grammar | None = None  # the structured-output constraint (None: free text)
 
     @property
@@ -238,5 +252,6 @@ def check_request(
         temperature=p.temperature, top_k=None if p.top_k is None else min(p.top_k, vocab_size), top_p=p.top_p,
         seed=p.seed, stop_at_eos=p.stop_at_eos, repeat_penalty=1.0 if p.repeat_penalty is None else p.repeat_penalty,
         min_p=p.min_p or 0.0, presence_penalty=p.presence_penalty or 0.0, frequency_penalty=p.frequency_penalty or 0.0,
-        logit_bias=p.logit_bias or (), grammar=p.grammar,
+        logit_bias=p.logit_bias or (), logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs,
+        grammar=p.grammar,
     )

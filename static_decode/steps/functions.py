@@ -21,7 +21,7 @@ import torch
 
 from static_decode.core.cache import StaticKVCache
 from static_decode.model.llama import Llama
-from static_decode.steps import grammar, sampling
+from static_decode.steps import grammar, logprobs, sampling
 
 PAD = -1  # out[b, i] past row b's last token (the host fills `out` with it per request); never a token id
 LOGIT_BIAS_SLOTS = 64  # (token id, bias) entries per row (`bias_ids`, `bias_values`): a request's logit_bias at most
@@ -36,10 +36,11 @@ class StepBuffers:
     N the output capacity (max_len), D the model width, E the number of EOS ids (at least 1; -1 entries match
     nothing), K the draft tokens of a speculative verify step (0 without speculation), Q the vocabulary of a draft
     model's probabilities (0 unless a draft model samples), V the vocabulary of `seen` (0: no repetition penalty,
-    for callers that allocate steps without a model; it spans `counts` too), M = LOGIT_BIAS_SLOTS, S and Z the grammar
-    tables' states and token classes (0 without grammar tables: static_decode.steps.grammar). `out`, `hist`,
-    `seen` and `counts` have one column more than they can fill: masked writes of a fixed-shape step land there
-    (the last column), and nothing reads it.
+    for callers that allocate steps without a model; it spans `counts` too), M = LOGIT_BIAS_SLOTS, P the top
+    logprobs kept per token (`logprob` has N + 1 columns when logprobs are kept, else 0: static_decode.steps.logprobs).
+    S and Z the grammar tables' states and token classes (0 without grammar tables: static_decode.steps.grammar).
+    `out`, `hist`, `seen`, `counts` and the logprob buffers have one column more than they can fill: masked writes
+    of a fixed-shape step land there (the last column), and nothing reads it.
     """
 
     chunk: torch.Tensor  # [B, C] int64 prompt chunk, padded with id 0 past n_new
@@ -69,6 +70,9 @@ class StepBuffers:
     min_p: torch.Tensor  # [B] float32 keep tokens with probability >= min_p x the top one's, 0 = off
     bias_ids: torch.Tensor  # [B, M] int64 token ids of the logit bias entries (unused: id 0 ...)
     bias_values: torch.Tensor  # [B, M] float32 ... with bias 0, which adds nothing)
+    logprob: torch.Tensor  # [B, N + 1] float32 each emitted (or prompt) token's logprob, at its column in `out`
+    top_logprobs: torch.Tensor  # [B, N + 1, P] float32 the P best logprobs there, best first
+    top_ids: torch.Tensor  # [B, N + 1, P] int32 ... and their token ids
     grammar_state: torch.Tensor  # [B] int64 each row's state in the grammar automaton, -1 = unconstrained
     grammar_class: torch.Tensor  # [G] int32 each token's class in the automaton (G = V with grammar tables, else 0)
     grammar_next: torch.Tensor  # [S, Z] int32 the state a class leads to, -1 = not allowed (steps.grammar)
@@ -90,11 +94,12 @@ class StepBuffers:
         draft_vocab: int = 0,
         long_chunk: int = 0,
         vocab: int = 0,
+        logprobs: int | None = None,
         grammar: tuple[int, int] | None = None,
     ) -> StepBuffers:
         """Every buffer of `buffer_layout`, filled with its starting value."""
         layout = buffer_layout(batch, chunk, capacity, width, eos_slots, dtype=dtype, draft_tokens=draft_tokens,
-                               draft_vocab=draft_vocab, long_chunk=long_chunk, vocab=vocab,
+                               draft_vocab=draft_vocab, long_chunk=long_chunk, vocab=vocab, logprobs=logprobs,
                                grammar=grammar)
         return cls(**{name: torch.full(shape, fill, dtype=dt, device=device)
                       for name, (shape, dt, fill) in layout.items()})
@@ -116,11 +121,14 @@ def buffer_layout(
     draft_vocab: int = 0,
     long_chunk: int = 0,
     vocab: int = 0,
+    logprobs: int | None = None,
     grammar: tuple[int, int] | None = None,
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype, float]]:
     """name -> (shape, dtype, starting value) of every step buffer: the one table `StepBuffers.allocate` makes and
-    static_decode.generation.memory counts."""
+    static_decode.generation.memory counts. logprobs: the top logprobs kept per token (None: no logprobs kept)."""
     i64, f32, b = torch.int64, torch.float32, torch.bool
+    cols = 0 if logprobs is None else capacity + 1  # column capacity: trash
+    top = 0 if logprobs is None else logprobs
     states, classes = grammar or (0, 0)  # the grammar tables' states and token classes (None: no tables)
     g_vocab = vocab if grammar is not None else 0
     return {
@@ -151,6 +159,9 @@ def buffer_layout(
         "min_p": ((batch,), f32, 0),
         "bias_ids": ((batch, LOGIT_BIAS_SLOTS), i64, 0),
         "bias_values": ((batch, LOGIT_BIAS_SLOTS), f32, 0),
+        "logprob": ((batch, cols), f32, 0),
+        "top_logprobs": ((batch, cols, top), f32, 0),
+        "top_ids": ((batch, cols, top), torch.int32, 0),
         "grammar_state": ((batch,), i64, -1),
         "grammar_class": ((g_vocab,), torch.int32, 0),
         "grammar_next": ((states, classes), torch.int32, -1),
@@ -173,18 +184,32 @@ def prefill_long(
     _prefill(model, cache, bufs, bufs.long_chunk, read_len, fresh)
 
 
+def prefill_scored(
+    model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int, *, targets: torch.Tensor, start: int
+) -> None:
+    """`prefill_chunk` that also writes each prompt token's logprob given its prefix (targets [B, C]: the prompt
+    token after each slot; start: the chunk's first prompt index; static_decode.steps.logprobs.score_prompt). Not a
+    captured kind: the head over every slot of the chunk decides its time, and a request asks for it rarely
+    (echo, scoring), so the generator runs it uncompiled rather than compile a graph for it."""
+    h = _prefill(model, cache, bufs, bufs.chunk, read_len)  # [B, C, D]
+    logprobs.score_prompt(bufs, model.head(h), targets, start)
+
+
 def _prefill(
     model: Llama, cache: StaticKVCache, bufs: StepBuffers, tokens: torch.Tensor, read_len: int, fresh: bool = False
-) -> None:
+) -> torch.Tensor:
+    """Run the model on `tokens`, keep each row's last real hidden state; the hidden states [B, C, D]."""
     h = model.hidden_states(tokens, cache, bufs.n_new, read_len, fresh=fresh)  # [B, C, D]
     B, _, D = h.shape
     last = (bufs.n_new - 1).clamp(min=0)  # [B]
     h_last = h.gather(1, last[:, None, None].expand(B, 1, D)).squeeze(1)  # [B, D]
     bufs.hidden.copy_(torch.where(bufs.n_new[:, None] > 0, h_last, bufs.hidden))
+    return h
 
 
-def emit(bufs: StepBuffers, tokens: torch.Tensor, count: torch.Tensor) -> None:
-    """Record the first count[b] <= T of tokens [B, T] for each row b: out, hist, next, done, step.
+def emit(bufs: StepBuffers, tokens: torch.Tensor, count: torch.Tensor, logits: torch.Tensor | None = None) -> None:
+    """Record the first count[b] <= T of tokens [B, T] for each row b: out, hist, next, done, step, and (when the
+    buffers keep them) their logprobs under the model's logits [B, T, V] at the same columns.
 
     count is what the step accepted (done rows: 0). A row stops early at an EOS among them or at its `limit`, so
     it may record fewer; `count` is lowered in place to what was recorded (the caller rolls the cache back by it).
@@ -204,6 +229,8 @@ def emit(bufs: StepBuffers, tokens: torch.Tensor, count: torch.Tensor) -> None:
     rows = torch.arange(B, device=tokens.device)[:, None].expand(B, T)  # [B, T]
     bufs.out.index_put_((rows, torch.where(keep, pos, N)), tokens)
     bufs.hist.index_put_((rows, torch.where(keep, bufs.plen[:, None] + pos, N)), tokens)
+    if logits is not None:
+        logprobs.record(bufs, logits, tokens, torch.where(keep, pos, N))
     last = tokens.gather(1, (n - 1).clamp(min=0)[:, None])  # [B, 1]
     bufs.next.copy_(torch.where(n[:, None] > 0, last, bufs.next))  # done rows keep a valid id
     bufs.step.add_(n)
@@ -221,9 +248,9 @@ def emit(bufs: StepBuffers, tokens: torch.Tensor, count: torch.Tensor) -> None:
     count.copy_(n)
 
 
-def _emit(bufs: StepBuffers, token: torch.Tensor) -> None:
-    """Record one token [B] per live row."""
-    emit(bufs, token[:, None], (~bufs.done).to(torch.int64))
+def _emit(bufs: StepBuffers, token: torch.Tensor, logits: torch.Tensor) -> None:
+    """Record one token [B] per live row, drawn from the model's logits [B, V]."""
+    emit(bufs, token[:, None], (~bufs.done).to(torch.int64), logits[:, None])
 
 
 def _penalized(logits: torch.Tensor, bufs: StepBuffers) -> torch.Tensor:
@@ -247,26 +274,28 @@ def _choose(logits: torch.Tensor, bufs: StepBuffers) -> torch.Tensor:
 
 def sample_first(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
     """Emit token 0 of every row from the kept prompt hidden state (cache and read_len unused)."""
-    _emit(bufs, _choose(model.head(bufs.hidden), bufs))
+    logits = model.head(bufs.hidden)  # [B, V]
+    _emit(bufs, _choose(logits, bufs), logits)
 
 
 def greedy_first(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
     """`sample_first` for an all-greedy request."""
-    _emit(bufs, sampling.greedy(_penalized(model.head(bufs.hidden), bufs)))
+    logits = model.head(bufs.hidden)  # [B, V]
+    _emit(bufs, sampling.greedy(_penalized(logits, bufs)), logits)
 
 
 def decode_one(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
     """Feed each live row its next token, then sample and emit the following one."""
     n_new = (~bufs.done).to(torch.int64)  # [B] done rows append nothing
     logits = model.step(bufs.next, cache, n_new, read_len)[:, 0]  # [B, V]
-    _emit(bufs, _choose(logits, bufs))
+    _emit(bufs, _choose(logits, bufs), logits)
 
 
 def greedy_one(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
     """`decode_one` for an all-greedy request."""
     n_new = (~bufs.done).to(torch.int64)  # [B]
     logits = model.step(bufs.next, cache, n_new, read_len)[:, 0]  # [B, V]
-    _emit(bufs, sampling.greedy(_penalized(logits, bufs)))
+    _emit(bufs, sampling.greedy(_penalized(logits, bufs)), logits)
 
 
 def read_rows(

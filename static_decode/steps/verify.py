@@ -63,10 +63,12 @@ def _verify_logits(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_l
 
 
 def _accept(
-    cache: StaticKVCache, bufs: StepBuffers, tokens: torch.Tensor, count: torch.Tensor, n_new: torch.Tensor
+    cache: StaticKVCache, bufs: StepBuffers, tokens: torch.Tensor, count: torch.Tensor, n_new: torch.Tensor,
+    logits: torch.Tensor,
 ) -> None:
-    """Emit the first count[b] of tokens [B, K + 1]; lower the device lengths by the slots not kept."""
-    emit(bufs, tokens, count)  # lowers count to what was recorded (EOS, limit, done rows)
+    """Emit the first count[b] of tokens [B, K + 1] (slot t's token scored by the target's logits [B, K + 1, V] at
+    slot t); lower the device lengths by the slots not kept."""
+    emit(bufs, tokens, count, logits)  # lowers count to what was recorded (EOS, limit, done rows)
     cache.lens.sub_(n_new - count)
 
 
@@ -120,7 +122,7 @@ def _target_probs(logits: torch.Tensor, bufs: StepBuffers) -> torch.Tensor:
 def _verify_greedy(model: Llama, cache: StaticKVCache, bufs: StepBuffers, read_len: int) -> None:
     """Verify `bufs.draft` greedily; emit and roll back."""
     logits, n_new = _verify_logits(model, cache, bufs, read_len)
-    _accept(cache, bufs, *greedy_accept(logits, bufs.draft), n_new)
+    _accept(cache, bufs, *greedy_accept(logits, bufs.draft), n_new, logits)
 
 
 def _verify_sampled(
@@ -131,7 +133,7 @@ def _verify_sampled(
     if q is None:
         q = F.one_hot(bufs.draft, logits.shape[-1]).to(torch.float32)  # [B, K, V] a fixed draft: q = 1 on it
     tokens, count = sampled_accept(_target_probs(logits, bufs), q, bufs.draft, bufs.seed, bufs.step)
-    _accept(cache, bufs, tokens, count, n_new)
+    _accept(cache, bufs, tokens, count, n_new, logits)
 
 
 def _lookup(spec: PromptLookup) -> tuple[StepFn, StepFn]:

@@ -6,7 +6,8 @@ Extensions: `top_k`, `ignore_eos`, `repeat_penalty`; `min_p` as vLLM and llama.c
 ids as OpenAI sends them), `presence_penalty` and `frequency_penalty` are OpenAI's. Fields the API defines and this
 server does not use (user, ...) are accepted and ignored, as llama.cpp's server does; those whose meaning it
 cannot honour (`n` > 1, several prompts) are refused. A chat's template inputs (tools, tool_choice, tool calls and
-results, chat_template_kwargs, reasoning_format) are checked in static_decode.commands.serve.messages.
+results, chat_template_kwargs, reasoning_format) are checked in static_decode.commands.serve.messages, logprobs,
+top_logprobs and echo in static_decode.commands.serve.logprobs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from static_decode.commands.serve import logprobs as scored_fields
 from static_decode.commands.serve import messages as chat_fields
 from static_decode.generation.request import SamplingParams, check_request
 from static_decode.text.chat_template import ChatTemplate
@@ -90,6 +92,9 @@ class Completion:
     logit_bias: tuple[tuple[int, float], ...] | None = None  # OpenAI's, as (token id, bias) pairs
     reasoning: bool = False  # chat: the reply's <think> span goes to reasoning_content (reasoning_format deepseek)
     reasoning_open: bool = False  # the rendered prompt ends with <think>: the reply starts inside its reasoning
+    logprobs: int | None = None  # alternatives per token of the answer's logprobs (None: no logprobs)
+    echo: bool = False  # completions: the prompt's text (and with logprobs its tokens') before the completion's
+    echo_text: str = ""  # that text: the prompt string, or the prompt ids decoded
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -100,9 +105,6 @@ def _bad(message: str, param: str | None = None) -> APIError:
 # anything but its neutral value is refused (400 naming it), never answered as if it were not there. field -> the
 # values that leave the output as it is.
 UNHONOURED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "response_format": (None, {"type": "text"}),
     "typical_p": (None, 1, 1.0),
     "functions": (None, []),
@@ -286,8 +288,12 @@ def parse(raw: bytes, ctx: Context, *, chat: bool) -> Completion:
         if ctx.draft_slots and value:  # the generator refuses these with speculation
             raise _bad(f"{field_name} is not supported by this server, which decodes speculatively (--speculate); "
                        f"leave it out or set it to its neutral value", field_name)
+    try:
+        logprobs, echo = scored_fields.requested(body, chat)
+    except chat_fields.FieldError as e:
+        raise _bad(str(e), e.param) from e
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, name, None, 1)
+    max_tokens = _int(body, name, None, 0 if echo else 1)  # echo with max_tokens 0: the prompt scored alone
     stop = _stop(body)
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
@@ -303,12 +309,12 @@ def parse(raw: bytes, ctx: Context, *, chat: bool) -> Completion:
             raise _bad(f"the prompt ({len(ids)} tokens) leaves no room for a new token in the server's "
                        f"--max-len {ctx.max_len}", "messages" if chat else "prompt")
         max_tokens = room if d.max_tokens is None else min(d.max_tokens, room)
-    elif max_tokens > room:
+    elif max(max_tokens, 1) > room:
         drafts = f" + {ctx.draft_slots} draft slots" if ctx.draft_slots else ""
         raise _bad(f"the prompt ({len(ids)} tokens) + {name} ({max_tokens}){drafts} = "
                    f"{len(ids) + max_tokens + ctx.draft_slots} exceeds the server's --max-len {ctx.max_len}", name)
     try:  # the generator's own checks (sampling values it refuses), without touching it
-        check_request(ids, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **samplers,
+        check_request(ids, max(max_tokens, 1), temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **samplers,
                       repeat_penalty=repeat_penalty, vocab_size=ctx.vocab_size, max_len=ctx.max_len, max_batch=1,
                       draft_slots=ctx.draft_slots)
     except (ValueError, TypeError) as e:
@@ -317,4 +323,13 @@ def parse(raw: bytes, ctx: Context, *, chat: bool) -> Completion:
                       top_k=top_k, seed=seed, stop=stop, stream=stream,
                       include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos, **samplers,
                       repeat_penalty=repeat_penalty, reasoning=reasoning,
-                      reasoning_open=reasoning and rendered.rstrip().endswith(REASONING_START))
+                      reasoning_open=reasoning and rendered.rstrip().endswith(REASONING_START), logprobs=logprobs,
+                      echo=echo, echo_text=_echo_text(body, ids, ctx) if echo else "")
+
+
+def _echo_text(body: dict[str, Any], ids: list[int], ctx: Context) -> str:
+    """The prompt as echoed: the string given, or the prompt's ids decoded."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids, skip_special_tokens=True)

@@ -6,7 +6,8 @@ llama-server has them) and, with --metrics, GET /metrics (Prometheus). Every ref
 and methods, has OpenAI's error body. A chat reply under reasoning_format "deepseek" has its <think> span as
 `reasoning_content` (delta.reasoning_content when streamed), split by static_decode.text.reasoning. A streamed
 response whose client goes away cancels its request (the worker stops it at the next read-back); so does a
-non-streamed one, watched through the ASGI receive channel.
+non-streamed one, watched through the ASGI receive channel. Logprobs and echo in OpenAI's formats:
+static_decode.commands.serve.logprobs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from static_decode.commands.serve import logprobs as scored
 from static_decode.commands.serve.api import APIError, Completion, Context, parse
 from static_decode.commands.serve.metrics import Metrics
 from static_decode.commands.serve.tokens import detokenize, tokenize
@@ -61,6 +63,14 @@ class _Reply:
         self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.split = ReasoningSplit(in_reasoning=req.reasoning_open) if req.reasoning else None
+        self.tokenizer, self.k = served.ctx.tokenizer, req.logprobs
+
+    def logprobs(self, scores: list[scored.TokenScore] | None) -> dict[str, Any] | None:
+        """The choice's `logprobs` of these tokens (None when the request asked for none)."""
+        if self.k is None or scores is None:
+            return None
+        fmt = scored.chat_logprobs if self.chat else scored.completion_logprobs
+        return fmt(self.tokenizer, scores, self.k)
 
     def deltas(self, text: str | None) -> list[dict[str, str]]:
         """The chat deltas of the reply's next text (None: its end): content, or reasoning_content and content
@@ -76,20 +86,22 @@ class _Reply:
                 "system_fingerprint": None, "choices": choices}
 
     def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False,
-              delta: dict[str, str] | None = None) -> dict[str, Any]:
+              delta: dict[str, str] | None = None, scores: list[scored.TokenScore] | None = None) -> dict[str, Any]:
+        lp = self.logprobs(scores)
         if self.chat:
             delta = {**({"role": "assistant"} if role else {}), **(delta or {})}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
         return self._wrap([choice], chunk=True)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**self._wrap([], chunk=True), "usage": usage.body()}
 
-    def whole(self, text: str, finish: str, usage: Usage) -> dict[str, Any]:
+    def whole(self, text: str, finish: str, usage: Usage, scores: list[scored.TokenScore]) -> dict[str, Any]:
+        lp = self.logprobs(scores)
         if self.chat:
             message = {"role": "assistant", "content": text}
             if self.split is not None:  # the same split as streamed: the whole text, then the end
@@ -98,9 +110,9 @@ class _Reply:
                 reasoning = "".join(d.get("reasoning_content", "") for d in parts)
                 if reasoning:
                     message["reasoning_content"] = reasoning
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
         return {**self._wrap([choice], chunk=False), "usage": usage.body()}
 
 
@@ -120,10 +132,11 @@ async def _stream(reply: _Reply, job: Job, include_usage: bool, metrics: Metrics
         while True:
             event = await job.events.get()
             if event[0] == "text" and reply.chat:
-                for delta in reply.deltas(event[1]):
-                    yield _sse(reply.chunk(None, delta=delta))
+                deltas = reply.deltas(event[1]) or ([{}] if event[2] else [])  # records with no text yet
+                for i, delta in enumerate(deltas):  # the records go with the event's last delta
+                    yield _sse(reply.chunk(None, delta=delta, scores=event[2] if i == len(deltas) - 1 else None))
             elif event[0] == "text":
-                yield _sse(reply.chunk(event[1]))
+                yield _sse(reply.chunk(event[1], scores=event[2]))
             elif event[0] == "done":
                 _, finish, usage = event
                 _observe(metrics, usage)
@@ -164,14 +177,16 @@ async def _complete(request: Request, chat: bool) -> Response:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.ensure_future(_watch_disconnect(request, job))
     parts: list[str] = []
+    scores: list[scored.TokenScore] = []
     try:
         while True:
             event = await job.events.get()
             if event[0] == "text":
                 parts.append(event[1])
+                scores.extend(event[2])
             elif event[0] == "done":
                 _observe(served.metrics, event[2])
-                return JSONResponse(reply.whole("".join(parts), event[1], event[2]))
+                return JSONResponse(reply.whole("".join(parts), event[1], event[2], scores))
             else:
                 return error_response(event[1])
     finally:

@@ -69,6 +69,7 @@ def build(args: argparse.Namespace):  # -> tuple[Served, Generator]
     from static_decode.commands.serve.app import Served
     from static_decode.commands.serve.worker import Worker
     from static_decode.generation.prefix_cache import PrefixCache
+    from static_decode.generation.scoring import MAX_LOGPROBS
     from static_decode.steps.functions import GREEDY_KINDS, SAMPLED_KINDS
     from static_decode.steps.verify import speculative_kinds
 
@@ -100,7 +101,8 @@ def build(args: argparse.Namespace):  # -> tuple[Served, Generator]
             kinds += (GREEDY_KINDS if g else SAMPLED_KINDS) + (() if spec is None else speculative_kinds(spec, g))
         capture = CaptureOptions(kinds=tuple(dict.fromkeys(kinds)))
     gen = Generator(model, max_len=max_len, chunk_size=args.chunk_size, long_chunk=args.long_chunk, batch=1,
-                    compile=args.compile, capture=capture, read_every=args.read_every, speculate=spec)
+                    compile=args.compile, capture=capture, read_every=args.read_every, speculate=spec,
+                    max_logprobs=MAX_LOGPROBS)  # a request's logprobs / top_logprobs, up to OpenAI's 20
     if args.compile:
         gen.warm_up(capture.kinds, progress=True)
     else:  # the first request's one-time costs (kernels' first calls, allocator) paid here

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from static_decode.commands.serve.api import APIError, Completion
+from static_decode.commands.serve.logprobs import TokenScore
 from static_decode.generation.prefix_cache import PrefixCache
 from static_decode.text.stop_strings import StopStrings
 
@@ -43,8 +44,9 @@ class Usage:
 
 @dataclass
 class Job:
-    """One queued request and the channel back to its HTTP handler (events: ("text", str),
-    ("done", finish_reason, Usage), ("error", APIError))."""
+    """One queued request and the channel back to its HTTP handler (events: ("text", str, [TokenScore]: the
+    logprob records of the tokens that text completes, when asked for), ("done", finish_reason, Usage),
+    ("error", APIError))."""
 
     request: Completion
     loop: asyncio.AbstractEventLoop
@@ -143,12 +145,14 @@ class Worker:
 
         r, tok, gen = job.request, self.tokenizer, self.prefix.gen
         t0 = time.perf_counter()
-        try:
-            reuse, pieces = self.prefix.stream(r.prompt_ids, r.max_tokens, temperature=r.temperature, top_k=r.top_k,
-                                               top_p=r.top_p, seed=r.seed, stop_at_eos=not r.ignore_eos,
-                                               repeat_penalty=r.repeat_penalty, min_p=r.min_p,
-                                               presence_penalty=r.presence_penalty,
-                                               frequency_penalty=r.frequency_penalty, logit_bias=r.logit_bias)
+        scored = r.echo and r.logprobs is not None
+        try:  # echo with max_tokens 0 decodes one token, which the answer leaves out
+            reuse, pieces = self.prefix.stream(r.prompt_ids, max(r.max_tokens, 1), temperature=r.temperature,
+                                               top_k=r.top_k, top_p=r.top_p, seed=r.seed,
+                                               stop_at_eos=not r.ignore_eos, repeat_penalty=r.repeat_penalty,
+                                               min_p=r.min_p, presence_penalty=r.presence_penalty,
+                                               frequency_penalty=r.frequency_penalty, logit_bias=r.logit_bias,
+                                               logprobs=r.logprobs, prompt_logprobs=r.logprobs if scored else None)
         except (ValueError, TypeError) as e:  # checked on the HTTP side already; the generator has the last word
             job.post("error", APIError(400, str(e)))
             return
@@ -159,28 +163,38 @@ class Worker:
         stopped = False
         eos = set() if r.ignore_eos else set(gen.eos_token_ids)
         t1 = t2 = t0
+        at = len(r.echo_text)  # characters of the answer's text so far (the offset of the next token's)
         try:
             for piece in pieces:
                 if not ids:
                     t1 = time.perf_counter()
+                    if r.echo:
+                        job.post("text", r.echo_text, _prompt_scores(tok, gen.prompt_logprobs))
+                    if r.max_tokens == 0:
+                        break
                 t2 = time.perf_counter()
                 if job.cancelled.is_set():
                     break
                 out: list[str] = []
+                scores: list[TokenScore] = []
                 self.counts["decoded_tokens"] += len(piece)
-                for t in piece:
+                for item in piece:
+                    t = item if isinstance(item, int) else item.token  # an id, or its logprob record
                     ids.append(t)
                     if t in eos:  # the reply's end (always its last token), not part of its text
                         continue
+                    if not isinstance(item, int):
+                        scores.append(TokenScore(item, at))
                     text = stream.step(tok, t)
                     if text:
+                        at += len(text)
                         shown.append(text)
                         safe, stopped = stops.feed(text)
                         out.append(safe)
                         if stopped:
                             break
-                if any(out):
-                    job.post("text", "".join(out))
+                if any(out) or scores:
+                    job.post("text", "".join(out), scores)
                 if stopped:
                     break
         finally:
@@ -197,7 +211,7 @@ class Worker:
             if not stopped:
                 safe += stops.flush()
             if safe:
-                job.post("text", safe)
+                job.post("text", safe, [])
         finish = "stop" if stopped or (ids and ids[-1] in eos) else "length"
         s = gen.stats
         if s is not None:  # the run completed: the generator's own timings
@@ -207,6 +221,17 @@ class Worker:
             per_token = 1e3 * (t2 - t1) / (len(ids) - 1) if len(ids) > 1 else 0.0
         self.counts["completed"] += 1
         job.post("done", finish, Usage(len(r.prompt_ids), len(ids), reuse.cached, prefill_ms, per_token))
+
+
+def _prompt_scores(tok: Any, records: list | None) -> list[TokenScore]:
+    """The prompt's records (None: not asked for) with each token's offset in the prompt's decoded text."""
+    from tokenizers.decoders import DecodeStream
+
+    stream, at, scores = DecodeStream(skip_special_tokens=True), 0, []
+    for rec in records or []:
+        scores.append(TokenScore(rec, at))
+        at += len(stream.step(tok, rec.token) or "")
+    return scores
 
 
 def _cancelled() -> APIError:
