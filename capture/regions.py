@@ -53,14 +53,17 @@ def _region(
     impl: str,
     groups: int,
     fresh: bool,
+    scales: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """One span of blocks: what is compiled apart. k, v: [n, B, Hkv, max_len + spare, d] of the span's layers."""
+    """One span of blocks: what is compiled apart. k, v: [n, B, Hkv, max_len + spare, d] of the span's layers;
+    scales: an int8 cache's K and V scales of those layers ([n, B, Hkv, max_len + spare]; None for a float cache)."""
     impl, mask = step_attention(
         impl, groups, k.shape[2], lens_after, n_new, x.shape[1], read_len, k.shape[-1], k.dtype, fresh=fresh,
         windows=layer_windows(blocks),  # each block's own sliding window (None: full causal)
         softcap=softcapped(blocks),  # Gemma 2's softcapped scores take a formulation that caps them
     )
-    return run_blocks(blocks, x, cos, sin, LayerSpan(k, v, lens, max_len), n_new, lens_after, read_len, impl, mask)
+    span = LayerSpan(k, v, lens, max_len, scales)
+    return run_blocks(blocks, x, cos, sin, span, n_new, lens_after, read_len, impl, mask)
 
 
 # The op is defined with torch.library's low-level API, not `torch.library.custom_op`: custom_op's Python wrappers
@@ -133,6 +136,9 @@ class LayerRegions:
         self, model: Llama, cache: StaticKVCache, settings: CompileSettings, *, regions: int, graphs: int
     ) -> None:
         self.model, self.max_len = model, cache.max_len
+        # An int8 cache's scale buffers: the op's body hands each region its layers' views. They are not op arguments:
+        # nothing in a step graph outside the regions reads or writes them, so there is no order for it to keep.
+        self.scales = None if cache.k_scale is None or cache.v_scale is None else (cache.k_scale, cache.v_scale)
         self.spans = spans(len(model.layers), regions)
         self._blocks = {(a, b): list(model.layers[a:b]) for a, b in self.spans}
         self.symbolic = settings.symbolic_read_len
@@ -196,6 +202,7 @@ class LayerRegions:
             out = self._fn(
                 self._blocks[(start, stop)], x, cos, sin, k[start:stop], v[start:stop], lens, self.max_len, n_new,
                 lens_after, n, self.model.attn_impl, self.groups, fresh,
+                None if self.scales is None else (self.scales[0][start:stop], self.scales[1][start:stop]),
             )
         if before is not None:
             self.compiled += (dc.graphs() or 0) - before

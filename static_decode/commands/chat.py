@@ -212,8 +212,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     add_quantize_argument(p)
-    p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="the K/V cache's dtype (default: the model's); a 16-bit cache halves long-context reads")
+    p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16", "int8"),
+                   help="the K/V cache's dtype (default: the model's); a 16-bit cache halves long-context reads, "
+                   "int8 (a float32 scale per token and KV head) about halves a 16-bit cache's")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message that opens the conversation")
     add_chat_template_arguments(p, what="every turn")
     add_speculation_arguments(p)

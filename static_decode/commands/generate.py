@@ -61,8 +61,9 @@ def add_generation_arguments(p: argparse.ArgumentParser, *, demo: bool = False) 
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     add_quantize_argument(p)
-    p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="the K/V cache's dtype (default: the model's); a 16-bit cache halves long-context reads")
+    p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16", "int8"),
+                   help="the K/V cache's dtype (default: the model's); a 16-bit cache halves long-context reads, "
+                   "int8 (a float32 scale per token and KV head) about halves a 16-bit cache's")
     p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler Chrome trace of the run here")
     add_speculation_arguments(p)
     add_text_arguments(p)

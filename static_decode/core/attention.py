@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from static_decode.core import split_attention
+from static_decode.core import kv_quant, split_attention
 from static_decode.core.cache import IntsLike, StaticKVCache, host_ints
 from static_decode.core.split_attention import split_key_attention
 from static_decode.kernels import cpu_kernel
@@ -374,6 +374,7 @@ def grouped_attention(
     impl: str = DEFAULT_IMPL,
     mask: StepMask | None = None,
     window: int | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Device-only attention: q [B, Hq, T, d], k/v [B, Hkv, S, d] (views, S = read length), lens/n_new [B].
@@ -382,6 +383,8 @@ def grouped_attention(
     shared by a step's layers of that window; built here if None. `softcap`: scores capped to
     softcap * tanh(scores / softcap) (only SOFTCAP_IMPLS; "auto" is then "matmul"). No checks of the tensors and
     no host reads: this is what a captured step runs. Returns [B, Hq, T, d].
+    `scales`: an int8 cache's (k_scale, v_scale) views [B, Hkv, S] (core/kv_quant.py; k/v then hold its codes): the
+    CPU decode kernel reads codes and scales in place, every other formulation a float32 dequantized copy of the read.
     """
     if impl not in CHOICES:
         raise ValueError(f"impl must be one of {CHOICES}, got {impl!r}")
@@ -396,10 +399,15 @@ def grouped_attention(
         raise ValueError(f"the step mask was built for window {mask.window!r}, this layer's is {window!r}")
     groups = q.shape[1] // max(1, k.shape[1])
     impl = resolve_impl(
-        impl, q.shape[0], k.shape[1], groups * q.shape[2], q.device, q.shape[3], k.dtype, groups=groups
+        impl, q.shape[0], k.shape[1], groups * q.shape[2], q.device, q.shape[3], kv_quant.attention_dtype(k.dtype),
+        groups=groups,
     )
     if k.shape[2] == 0 or q.shape[2] == 0:  # nothing cached, or no query slot (static shapes: fine under compile)
         return torch.zeros_like(q)
+    if scales is not None:  # an int8 cache: the kernel reads it as it is, the others a dequantized copy of the read
+        if impl == "decode_kernel":
+            return cpu_kernel.decode_attention_int8(q, k, v, *scales, lens, n_new, window=window)
+        k, v = kv_quant.dequantize(k, scales[0]), kv_quant.dequantize(v, scales[1])  # [B, Hkv, S, d] float32
     if k.dtype != q.dtype and impl != "decode_kernel":
         # A cache in another dtype (Llama.kv_dtype): the SDPA formulations take one dtype, so the queries join the
         # cache's (never the other way: converting K/V would copy the whole read) and the output returns to q's.
@@ -450,7 +458,7 @@ def gqa_attention(
         raise ValueError(f"q has shape {tuple(q.shape)}; the cache has batch {cache.batch}, head_dim {cache.head_dim}")
     if Hq % cache.kv_heads:
         raise ValueError(f"Hq={Hq} query heads is not a multiple of Hkv={cache.kv_heads}")
-    if q.dtype != cache.dtype:
+    if not q.dtype.is_floating_point or (q.dtype != cache.dtype and not cache.quantized):  # int8: any float q
         raise TypeError(f"q has dtype {q.dtype}, the cache holds {cache.dtype}")
     if q.device != cache.device:
         raise ValueError(f"q is on {q.device}, the cache is on {cache.device}")
@@ -467,4 +475,5 @@ def gqa_attention(
             )
     read_len = cache.check_read_len(read_len)
     k, v = cache.layer_view(layer, read_len)  # [B, Hkv, read_len, d] views
-    return grouped_attention(q, k, v, cache.lens, cache.device_ints(n), impl=impl, window=window)
+    scales = cache.layer_scales(layer, read_len)  # an int8 cache's [B, Hkv, read_len] views; None otherwise
+    return grouped_attention(q, k, v, cache.lens, cache.device_ints(n), impl=impl, window=window, scales=scales)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from static_decode.base.checks import check_int
+from static_decode.core import kv_quant
 
 IntsLike = torch.Tensor | np.ndarray | Sequence[int]
 
@@ -51,11 +52,15 @@ class StaticKVCache(torch.nn.Module):
     padded slots of fixed-size chunks and is never read. They are registered buffers, so a compiled step sees
     static addresses, and they are never reallocated: `data_ptr()` is the same for the cache's whole life.
     `lens` ([B], int64, on the cache's device) holds each row's length; `host_lens` mirrors it on the host.
+    dtype int8 (core/kv_quant.py): `k`/`v` hold the codes and `k_scale`/`v_scale` ([layers, B, Hkv, max_len + 1]
+    float32, allocated once beside them) their scales, written with the rows; None for a float cache.
     """
 
     k: torch.Tensor
     v: torch.Tensor
     lens: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
 
     def __init__(
         self,
@@ -74,11 +79,14 @@ class StaticKVCache(torch.nn.Module):
         self.max_len = check_int("max_len", max_len, minimum=1)
         self.head_dim = check_int("head_dim", head_dim, minimum=1)
         self.layers = check_int("layers", layers, minimum=1)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or kv_quant.is_int8(dtype)):
+            raise TypeError(f"dtype must be a floating torch.dtype or torch.int8, got {dtype!r}")
         shape = (self.layers, batch, self.kv_heads, self.max_len + SPARE_ROWS, self.head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        for name in ("k_scale", "v_scale"):  # [layers, B, Hkv, max_len + spare]: an int8 cache's scales
+            scales = torch.zeros(shape[:-1], dtype=kv_quant.SCALE_DTYPE, device=device) if self.quantized else None
+            self.register_buffer(name, scales, persistent=False)
         self.register_buffer("lens", torch.zeros(batch, dtype=torch.int64, device=device), persistent=False)
         self.host_lens = np.zeros(batch, dtype=np.int64)
 
@@ -94,6 +102,11 @@ class StaticKVCache(torch.nn.Module):
     @property
     def device(self) -> torch.device:
         return self.k.device
+
+    @property
+    def quantized(self) -> bool:
+        """Whether this is an int8 cache (codes and scales; core/kv_quant.py)."""
+        return kv_quant.is_int8(self.k.dtype)
 
     def longest(self) -> int:
         """The longest row, from the host mirror (no device read)."""
@@ -137,7 +150,7 @@ class StaticKVCache(torch.nn.Module):
                     f"{name} has shape {tuple(x.shape)}; the cache wants "
                     f"[B={self.batch}, Hkv={self.kv_heads}, T, d={self.head_dim}]"
                 )
-            if x.dtype != self.dtype:
+            if x.dtype != self.dtype and not (self.quantized and x.dtype.is_floating_point):
                 raise TypeError(f"{name} has dtype {x.dtype}, the cache holds {self.dtype}")
             if x.device != self.device:
                 raise ValueError(f"{name} is on {x.device}, the cache is on {self.device}")
@@ -157,9 +170,9 @@ class StaticKVCache(torch.nn.Module):
         """Write slot t < n_new[b] of row b at position lens[b] + t, in place; padded slots go to the spare row.
 
         k_new, v_new: [B, Hkv, T, d]; n_new: [B] int64 on the cache's device. Uses the *old* lengths, so call
-        it for every layer before `advance`.
+        it for every layer before `advance`. K/V are rounded to the cache's dtype here, or quantized (int8).
         """
-        write_slots(self.k, self.v, self.lens, self.max_len, layer, k_new, v_new, n_new)
+        _write(self.k, self.v, self.k_scale, self.v_scale, self.lens, self.max_len, layer, k_new, v_new, n_new)
 
     def advance(self, n_new: torch.Tensor) -> None:
         """lens += n_new on the device (once per step, after every layer is written)."""
@@ -168,6 +181,10 @@ class StaticKVCache(torch.nn.Module):
     def layer_view(self, layer: int, read_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer up to read_len: views of the buffers, never copies. [B, Hkv, read_len, d]."""
         return self.k[layer, :, :, :read_len], self.v[layer, :, :, :read_len]
+
+    def layer_scales(self, layer: int, read_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An int8 cache's K and V scales of one layer up to read_len (views, [B, Hkv, read_len]); None otherwise."""
+        return _scales(self.k_scale, self.v_scale, layer, read_len)
 
     # ---- the single-layer convenience and housekeeping ---------------------------------------------------
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, n_new: IntsLike) -> None:
@@ -210,8 +227,11 @@ def write_slots(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
     n_new: torch.Tensor,
+    *,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """`StaticKVCache.write` over K/V buffers [layers, B, Hkv, max_len + spare, d] (a cache's, or a span's)."""
+    """`StaticKVCache.write` over K/V buffers [layers, B, Hkv, max_len + spare, d] (a cache's, or a span's);
+    `scales`: an int8 cache's scale buffers [layers, B, Hkv, max_len + spare], K/V then quantized into the codes."""
     B, H, T, d = k_new.shape
     dev = n_new.device
     t = torch.arange(T, device=dev)  # [T]
@@ -226,8 +246,38 @@ def write_slots(
         torch.arange(H, device=dev)[None, :, None],  # [1, Hkv, 1]
         pos[:, None, :],  # [B, 1, T]
     )  # broadcasts to [B, Hkv, T], the leading dims of k_new
+    if scales is not None:
+        kv_quant.write_int8(k, v, *scales, index, k_new, v_new)
+        return
     k.index_put_(index, k_new)
     v.index_put_(index, v_new)
+
+
+def _write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    lens: torch.Tensor,
+    max_len: int,
+    layer: int,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    n_new: torch.Tensor,
+) -> None:
+    """write_slots for a float cache (K/V rounded to its dtype; a no-op cast when they are in it) or an int8 one."""
+    if k_scale is None or v_scale is None:
+        write_slots(k, v, lens, max_len, layer, k_new.to(k.dtype), v_new.to(v.dtype), n_new)
+    else:
+        write_slots(k, v, lens, max_len, layer, k_new, v_new, n_new, scales=(k_scale, v_scale))
+
+
+def _scales(
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, layer: int, read_len: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if k_scale is None or v_scale is None:
+        return None
+    return k_scale[layer, :, :, :read_len], v_scale[layer, :, :, :read_len]  # [B, Hkv, read_len] views
 
 
 class LayerSpan:
@@ -235,16 +285,29 @@ class LayerSpan:
 
     k, v: [n, B, Hkv, max_len + spare, d] (views of a cache's buffers, or a region's graph inputs); lens: the
     cache's device lengths (shared, not copied). Layer j of the span is layer start + j of the cache. Only the
-    device side (`write`, `layer_view`): the host mirror and `advance` stay with the cache.
+    device side (`write`, `layer_view`): the host mirror and `advance` stay with the cache. `scales`: an int8
+    cache's K and V scales of the span's layers ([n, B, Hkv, max_len + spare] each; None for a float cache).
     """
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, max_len: int) -> None:
+    def __init__(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lens: torch.Tensor,
+        max_len: int,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         self.k, self.v, self.lens, self.max_len = k, v, lens, max_len
+        self.k_scale, self.v_scale = scales if scales is not None else (None, None)
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, n_new: torch.Tensor) -> None:
         """`StaticKVCache.write` for layer `layer` of the span."""
-        write_slots(self.k, self.v, self.lens, self.max_len, layer, k_new, v_new, n_new)
+        _write(self.k, self.v, self.k_scale, self.v_scale, self.lens, self.max_len, layer, k_new, v_new, n_new)
 
     def layer_view(self, layer: int, read_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer `layer` of the span up to read_len: views. [B, Hkv, read_len, d]."""
         return self.k[layer, :, :, :read_len], self.v[layer, :, :, :read_len]
+
+    def layer_scales(self, layer: int, read_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`StaticKVCache.layer_scales` for layer `layer` of the span."""
+        return _scales(self.k_scale, self.v_scale, layer, read_len)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from static_decode.base.checks import check_int
+from static_decode.core import kv_quant
 from static_decode.core.cache import SPARE_ROWS
 from static_decode.model.config import LlamaConfig
 from static_decode.model.quant import read_bytes as quant_read_bytes
@@ -32,13 +33,15 @@ INT64 = 8  # bytes of the cache's int64 lengths
 def cache_bytes(
     config: LlamaConfig, batch: int, max_len: int, dtype: torch.dtype, *, kv_heads: int | None = None
 ) -> int:
-    """Bytes of a StaticKVCache: K and V ([layers, B, Hkv, max_len + spare, d] each) plus the int64 lengths.
+    """Bytes of a StaticKVCache: K and V ([layers, B, Hkv, max_len + spare, d] each) plus the int64 lengths; an int8
+    cache's float32 scales beside them ([layers, B, Hkv, max_len + spare] each; core/kv_quant.py).
 
     kv_heads defaults to the config's; a tensor-parallel rank passes its share (`Llama.kv_heads`).
     """
     heads = config.num_kv_heads if kv_heads is None else check_int("kv_heads", kv_heads, minimum=1)
-    per_tensor = config.num_layers * batch * heads * (max_len + SPARE_ROWS) * config.head_dim
-    return 2 * per_tensor * _itemsize(dtype) + batch * INT64
+    rows = config.num_layers * batch * heads * (max_len + SPARE_ROWS)  # token rows of K (and of V)
+    scales = 2 * rows * kv_quant.SCALE_BYTES if kv_quant.is_int8(_dtype(dtype)) else 0
+    return 2 * rows * config.head_dim * _itemsize(dtype) + scales + batch * INT64
 
 
 def layout_bytes(layout: dict[str, tuple[tuple[int, ...], torch.dtype, float]]) -> int:
@@ -129,9 +132,13 @@ def gib(nbytes: int) -> str:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
+    return _dtype(dtype).itemsize
+
+
+def _dtype(dtype: torch.dtype) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}: {dtype!r}")
-    return dtype.itemsize
+    return dtype
 
 
 def _mem_available() -> int | None:

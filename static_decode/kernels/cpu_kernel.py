@@ -28,9 +28,11 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("decode_attention.cpp", "gemv_bf16.cpp", "gemv_quant.cpp", "decode_layers.cpp")]
+_SOURCE_NAMES = ("decode_attention.cpp", "decode_attention_int8.cpp", "gemv_bf16.cpp", "gemv_quant.cpp",
+                 "decode_layers.cpp")
+SOURCES = [CSRC / name for name in _SOURCE_NAMES]
 # Hashed into the build flags: torch's builder tracks only the sources.
-HEADERS = [CSRC / name for name in ("kernels.h", "checks.h", "attention_avx512.h")]
+HEADERS = [CSRC / name for name in ("kernels.h", "checks.h", "attention_avx512.h", "decode_common.h")]
 ENV = "STATIC_DECODE_CPU_KERNEL"  # "0": never build or use the kernels
 WAIT_ENV = "STATIC_DECODE_BUILD_WAIT"  # seconds to wait for another process's build (default BUILD_WAIT)
 BUILD_WAIT = 1800.0
@@ -41,6 +43,7 @@ MAX_ROWS = 64  # query rows per KV head the kernel takes (kMaxRows)
 HEAD_DIMS = (8, 16, 32, 48, 64, 80, 96, 128, 256)
 MAX_HEAD_DIM = max(HEAD_DIMS)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # K/V; the queries may be any of them, math in float32
+INT8 = torch.int8  # an int8 cache's codes (static_decode.core.kv_quant): `decode_attention_int8`, with their scales
 
 # The flags inductor compiles its own CPU kernels with for each ISA (torch/_inductor/cpu_vec_isa.py), so the
 # kernel's at::vec types are the widths torch uses: AVX-512 here, 16 floats a vector.
@@ -232,7 +235,7 @@ def supports(rows: int, head_dim: int, dtype: torch.dtype, device: torch.device)
     """Whether the kernel takes a step of `rows` query rows per KV head, `head_dim`, K/V `dtype`, on `device`
     (without building it): exactly the calls the kernel computes (csrc/checks.h), so "auto" never picks it for
     a shape it would refuse."""
-    return device.type == "cpu" and 1 <= rows <= MAX_ROWS and dtype in DTYPES and head_dim in head_dims()
+    return device.type == "cpu" and 1 <= rows <= MAX_ROWS and dtype in (*DTYPES, INT8) and head_dim in head_dims()
 
 
 def decode_attention(
@@ -262,6 +265,36 @@ def decode_attention(
     out = torch.ops.static_decode_cpu.decode_attention(qf, k, v, lens, n_new, T, scale, window or 0)  # [B, Hkv, G*T, d]
     return out.view(B, Hq, T, d)
 
+
+
+def decode_attention_int8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    lens: torch.Tensor,
+    n_new: torch.Tensor,
+    *,
+    window: int | None = None,
+) -> torch.Tensor:
+    """`decode_attention` over an int8 cache: k/v [B, Hkv, S, d] int8 codes, k_scale/v_scale [B, Hkv, S] float32
+    (value = code * scale; the key axis contiguous), read in place: the codes are widened in registers, a key's
+    scale multiplies its score and a value's its softmax weight. Returns [B, Hq, T, d] in q's dtype."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"decode_attention_int8: window must be None or an int >= 1, got {window!r}")
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"decode_attention_int8: q {tuple(q.shape)} and k {tuple(k.shape)} must be rank 4")
+    B, Hq, T, d = q.shape
+    Hkv = k.shape[1]
+    if Hkv < 1 or Hq % Hkv or d < 1:
+        raise ValueError(f"decode_attention_int8: {Hq} query heads for {Hkv} KV heads of head_dim {d} (a multiple "
+                         "of them, none zero)")
+    qf = q.reshape(B, Hkv, Hq // Hkv * T, d)  # [B, Hkv, G*T, d]
+    out = torch.ops.static_decode_cpu.decode_attention_int8(
+        qf, k, v, k_scale, v_scale, lens, n_new, T, 1.0 / math.sqrt(d), window or 0
+    )  # [B, Hkv, G*T, d]
+    return out.view(B, Hq, T, d)
 
 def gemv_ready(weight: torch.Tensor) -> bool:
     """Whether `gemv_bf16` takes a product with this weight: bfloat16 and contiguous, on a CPU with AVX512-BF16,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from static_decode.core import kv_quant
 from static_decode.core.attention import (
     AUTO,
     FRESH,
@@ -153,11 +154,14 @@ class Attention(nn.Module):
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         if self.q_scale != 1.0:
             q = q * self.q_scale  # [B, Hq, T, d]
-        kv = cache.k.dtype  # the model's dtype, or the cache's own (Llama.kv_dtype): rounded once, here
-        cache.write(layer, k.to(kv), v.to(kv), n_new)  # at the old lengths; padded slots go to the spare row
+        # At the old lengths, padded slots to the spare row; K/V rounded once, here, to the cache's dtype (the model's,
+        # or Llama.kv_dtype's), or quantized to an int8 cache's codes and scales (core/kv_quant.py).
+        cache.write(layer, k, v, n_new)
         k_all, v_all = cache.layer_view(layer, read_len)  # [B, Hkv, read_len, d] views
+        scales = cache.layer_scales(layer, read_len)  # an int8 cache's [B, Hkv, read_len] views; None otherwise
         out = grouped_attention(
-            q, k_all, v_all, lens_after, n_new, impl=impl, mask=mask, window=self.window, softcap=self.softcap
+            q, k_all, v_all, lens_after, n_new, impl=impl, mask=mask, window=self.window, softcap=self.softcap,
+            scales=scales,
         )  # [B, Hq, T, d]
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)  # [B, T, Hq_local * d]
         return row_parallel(self.o_proj, out, self.tp)  # [B, T, D], summed over the ranks
@@ -292,8 +296,8 @@ def step_attention(
             )
         fresh = False
     impl = resolve_impl(
-        impl, lens_after.shape[0], kv_heads, groups * T, lens_after.device, head_dim, kv_dtype, groups=groups,
-        skip=skip,
+        impl, lens_after.shape[0], kv_heads, groups * T, lens_after.device, head_dim,
+        kv_quant.attention_dtype(kv_dtype), groups=groups, skip=skip,
     )
     masks: dict[int | None, StepMask | None] = {}
     for window in dict.fromkeys(windows):
@@ -302,10 +306,11 @@ def step_attention(
         elif impl in ("flex", "decode_kernel") or read_len <= 0 or T <= 0:
             masks[window] = None
         else:
-            # The SDPA formulations run in the cache's dtype (grouped_attention casts the queries to it), so their
-            # additive mask is built in it.
+            # The SDPA formulations run in the cache's dtype (grouped_attention casts the queries to it; an int8
+            # cache's: float32, kv_quant.attention_dtype), so their additive mask is built in it.
             masks[window] = step_mask(
-                lens_after, n_new, T, read_len, groups=groups, dtype=kv_dtype, impl=impl, window=window
+                lens_after, n_new, T, read_len, groups=groups, dtype=kv_quant.attention_dtype(kv_dtype), impl=impl,
+                window=window,
             )
     return impl, masks
 

@@ -43,6 +43,7 @@ def unsupported(model: Llama, cache: StaticKVCache) -> str | None:
         (c.query_scale is not None, "a score scale other than head_dim ** -0.5 (query_pre_attn_scalar)"),
         (c.local_rope is not None, "a second rotary table for the sliding layers (Gemma 3)"),
         (c.rope.rotary_dim(c.head_dim) != c.head_dim, "partial rotary embedding (the kernel rotates whole heads)"),
+        (cache.quantized, "an int8 KV cache (the fused layers write and read float caches only)"),
         (not cpu_kernel.supports(groups, c.head_dim, cache.dtype, cache.device), f"head_dim {c.head_dim}"),
     )
     for bad, why in reasons:

@@ -31,7 +31,8 @@ from static_decode.model.blocks import (
 from static_decode.model.config import LlamaConfig
 from static_decode.model.parallel import SINGLE, TensorParallel
 
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # Llama.kv_dtype
+# Llama.kv_dtype; "int8": int8 codes with a float32 scale per token and KV head (static_decode.core.kv_quant)
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
 def hf_name(name: str) -> str:
@@ -47,7 +48,10 @@ class Llama(nn.Module):
     (None: the model's dtype) is the dtype `new_cache` stores K/V in, also a runtime choice: a bfloat16 or float16
     cache for a float32 model halves the bytes a long-context decode step reads (llama.cpp's default is an f16
     cache); K/V are rounded once when written, the CPU kernel widens them back to float32 math, the SDPA
-    formulations compute in the cache's dtype. `tp` makes this the rank's shard of a tensor-parallel model
+    formulations compute in the cache's dtype; "int8" (torch.int8) stores int8 codes and a float32 scale per token
+    and KV head (static_decode.core.kv_quant: 0.52x a bfloat16 cache's bytes at head_dim 128), read in place by the
+    CPU kernel and dequantized per read by the other formulations.
+    `tp` makes this the rank's shard of a tensor-parallel model
     (static_decode.model.parallel); a world size that does not divide the KV heads (or the MLP width) is refused here.
     `fused_projections` (default): q/k/v and gate/up are one product each over weights joined by rows (see
     static_decode.model.joining); the state dict keeps the checkpoint's names either way.

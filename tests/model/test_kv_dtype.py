@@ -85,8 +85,8 @@ def test_compiled_greedy_equals_eager_with_a_bfloat16_cache(model) -> None:
 def test_bad_kv_dtype_and_mismatched_cache_are_refused(model) -> None:
     with pytest.raises(ValueError, match="kv_dtype must be one of .* got torch.float64"):
         model.kv_dtype = torch.float64
-    with pytest.raises(ValueError, match="got 'int8'"):
-        model.kv_dtype = "int8"
+    with pytest.raises(ValueError, match="got 'int4'"):
+        model.kv_dtype = "int4"
     assert model.kv_dtype == model.dtype  # unchanged by the refusals
     cache = model.new_cache(1, 32)
     try:

@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+    p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16", "int8"),
                    help="static-decode's K/V cache dtype (default: the model's; llama.cpp's own default is f16)")
     p.add_argument("--quantize", default=None, metavar="FORM[,FORM...]",
                    help=f"static-decode's weight forms, each its own systems ('static-decode int8'): none (the "

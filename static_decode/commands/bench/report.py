@@ -22,7 +22,7 @@ ONE_CALL = "sdpa_folded"  # attention rows written before "impl" was recorded ar
 CLEARLY_BELOW = 1.2  # full-read / static-decode at max_len/16 counts as "clearly below" from here
 ATTENTION_SLACK = 1.25  # attention(bucket) / attention(max_len) within this factor of bucket / max_len
 LONG_CONTEXT_SLACK = 1.25  # ms(context) / ms(shortest) within this factor of the bytes ratio
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int8": 1}
 
 
 def bytes_per_token(model: dict[str, Any], context: int, weights: int | None = None) -> int:
@@ -32,6 +32,8 @@ def bytes_per_token(model: dict[str, Any], context: int, weights: int | None = N
     size = DTYPE_BYTES[model["dtype"]]
     kv_size = DTYPE_BYTES[model.get("kv_dtype", model["dtype"])]
     kv = 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * kv_size  # K and V of one token, all layers
+    if model.get("kv_dtype") == "int8":  # int8 codes and a float32 scale per token and KV head (core/kv_quant.py)
+        kv = 2 * model["layers"] * model["kv_heads"] * (model["head_dim"] + 4)
     if weights is None:
         weights = model.get("weight_bytes", model["parameters"] * size)
     return weights + context * kv

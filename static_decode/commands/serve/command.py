@@ -197,8 +197,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "(the others compile at their first request)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="the K/V cache's dtype (default: the model's)")
+    p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16", "int8"),
+                   help="the K/V cache's dtype (default: the model's; int8: codes and a float32 scale per token)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (info: one line per request)")
     add_chat_template_arguments(p, what="every chat request (a request's chat_template_kwargs go over them)")

@@ -49,10 +49,11 @@ inline void check_window(int64_t window, const char* op, const char* name) {
 // decode_attention's arguments: q [B, H, M, d], k/v [B, H, S, d] with rows of d contiguous, lens/n_new [B] int64
 // with 0 <= n_new[b] <= slots and n_new[b] <= lens[b] <= S (the bounds static_decode.reference refuses outside),
 // window >= 0.
+// int8_kv: k/v are an int8 cache's codes (decode_attention_int8; their scales checked by check_kv_scales).
 inline void check_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& lens, const at::Tensor& n_new, int64_t slots,
-                                   int64_t window = 0) {
-  constexpr const char* op = "decode_attention";
+                                   int64_t window = 0, bool int8_kv = false) {
+  const char* op = int8_kv ? "decode_attention_int8" : "decode_attention";
   check_window(window, op, "window");
   check_cpu(q, op, "q");
   check_cpu(k, op, "k");
@@ -60,8 +61,13 @@ inline void check_decode_attention(const at::Tensor& q, const at::Tensor& k, con
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must be rank 4, got q ", q.sizes(),
               " k ", k.sizes(), " v ", v.sizes());
   TORCH_CHECK(kernel_float(q.scalar_type()), op, ": q's dtype ", q.scalar_type(), " is not float32/bfloat16/float16");
-  TORCH_CHECK(kernel_float(k.scalar_type()) && v.scalar_type() == k.scalar_type(), op, ": K/V dtypes ",
-              k.scalar_type(), "/", v.scalar_type(), " (one of float32/bfloat16/float16 for both)");
+  if (int8_kv) {
+    TORCH_CHECK(k.scalar_type() == at::kChar && v.scalar_type() == at::kChar, op, ": K/V dtypes ", k.scalar_type(),
+                "/", v.scalar_type(), " (int8 codes for both)");
+  } else {
+    TORCH_CHECK(kernel_float(k.scalar_type()) && v.scalar_type() == k.scalar_type(), op, ": K/V dtypes ",
+                k.scalar_type(), "/", v.scalar_type(), " (one of float32/bfloat16/float16 for both)");
+  }
   TORCH_CHECK(k.sizes() == v.sizes(), op, ": k ", k.sizes(), " and v ", v.sizes(), " differ");
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3), op, ": q ", q.sizes(),
               " does not match k ", k.sizes(), " ([B, H, M, d] against [B, H, S, d])");
@@ -83,6 +89,18 @@ inline void check_decode_attention(const at::Tensor& q, const at::Tensor& k, con
     TORCH_CHECK(lp[b] >= np[b] && lp[b] <= S, op, ": lens[", b, "] = ", lp[b], " outside ", np[b], "..", S,
                 " (n_new[", b, "]..the keys read)");
   }
+}
+
+// An int8 cache's scales for its codes `codes` [B, H, S, d]: float32 [B, H, S] on the CPU, the key axis contiguous
+// (one scale per token and KV head; the kernel reads scale j of a row at offset j).
+inline void check_kv_scales(const at::Tensor& scales, const at::Tensor& codes, const char* op, const char* name) {
+  check_cpu(scales, op, name);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", scales.scalar_type());
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
+                  scales.size(2) == codes.size(2),
+              op, ": ", name, " ", scales.sizes(), " must be [B, H, S] of the codes ", codes.sizes());
+  TORCH_CHECK(scales.stride(2) == 1 || scales.size(2) <= 1, op, ": ", name, "'s key axis must be contiguous, got strides ",
+              scales.strides());
 }
 
 }  // namespace static_decode_kernels

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "attention_avx512.h"
+#include "decode_common.h"
 #include "checks.h"
 #include "kernels.h"
 
@@ -39,13 +40,14 @@
 namespace {
 
 using static_decode_kernels::attention::kBlock;
+using static_decode_kernels::attention::combine;
+using static_decode_kernels::attention::plan_splits;
+using static_decode_kernels::attention::window_start;
 using static_decode_kernels::attention::kNegInf;
 using static_decode_kernels::attention::Vec;
 #if defined(CPU_CAPABILITY_AVX512)
 using namespace static_decode_kernels::attention;  // the AVX-512 score and value-row paths
 #endif
-constexpr int64_t kSplit = 512;  // keys per work item at most (the flash-decoding split)
-constexpr int64_t kMaxD = 256;
 constexpr int64_t kMaxRows = static_decode_kernels::kMaxRows;
 constexpr int kAllLanes = (1 << Vec::size()) - 1;  // zero_mask() of a vector with no NaN lane
 
@@ -196,9 +198,6 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
   }
 }
 
-// The oldest key the query at `pos` sees through a window of `window` keys (pos - window < j), at least 0.
-inline int64_t window_start(int64_t pos, int64_t window) { return std::max<int64_t>(0, pos - window + 1); }
-
 // Every work item's partial result: part [B*H, nsplit, M*(d+2)] holds acc [M, d], mx [M], l [M] per item.
 template <typename T, int NX>
 void attend(const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor& v, const int64_t* lens, const int64_t* n_new,
@@ -231,42 +230,6 @@ void attend(const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor&
   });
 }
 
-// Combine the splits into out (q's dtype O, written here: no float32 copy of q or of the output is allocated):
-// out = sum_c e^(mx_c - top) acc_c / sum_c e^(mx_c - top) l_c; no visible key: zeros.
-template <typename O>
-void combine(const float* part, int64_t BH, int64_t M, int64_t d, int64_t nsplit, O* op) {
-  float o[kMaxD];
-  for (int64_t bh = 0; bh < BH; ++bh) {
-    for (int64_t m = 0; m < M; ++m) {
-      std::fill(o, o + d, 0.f);
-      float top = kNegInf;
-      bool nan = false;  // a split met a NaN score (its l is NaN): the row is NaN, as the other formulations give
-      for (int64_t c = 0; c < nsplit; ++c) {
-        const float* p = part + (bh * nsplit + c) * M * (d + 2);
-        const float lc = p[M * d + M + m];
-        nan = nan || std::isnan(lc);
-        if (lc > 0.f) top = std::max(top, p[M * d + m]);
-      }
-      float den = 1.f;
-      if (nan) {
-        std::fill(o, o + d, std::numeric_limits<float>::quiet_NaN());
-      } else if (top != kNegInf) {
-        den = 0.f;
-        for (int64_t c = 0; c < nsplit; ++c) {
-          const float* p = part + (bh * nsplit + c) * M * (d + 2);
-          const float lc = p[M * d + M + m];
-          if (!(lc > 0.f)) continue;
-          const float w = std::exp(p[M * d + m] - top);
-          den += w * lc;
-          for (int64_t x = 0; x < d; ++x) o[x] += w * p[m * d + x];
-        }
-      }
-      O* dst = op + (bh * M + m) * d;
-      for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<O>(o[x] / den);
-    }
-  }
-}
-
 // attend<T, d / Vec::size()> for the head sizes with code (checks.h, kHeadDims): one instantiation each.
 template <typename T, int D>
 bool attend_if(int64_t d, const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor& v,
@@ -290,25 +253,6 @@ bool dispatch_d(std::integer_sequence<int, Ds...>, const float* qp, bool bf16_q,
           ...);
 }
 using HeadDims = std::integer_sequence<int, 8, 16, 32, 48, 64, 80, 96, 128, 256>;  // checks.h's kHeadDims
-
-// How the key axis is split into work items: (items per KV head, keys per item). The keys split evenly over the
-// longest visible span (not the read bucket, which may hold far more keys than any row sees; under a sliding window
-// a row's span starts at its slot 0's window, so it is at most window + slots - 1 keys), in items of at most
-// kSplit keys, and into more items where that makes the count a multiple of the threads, as long as an item keeps a
-// block of keys: 3 KV heads on 2 threads were 3 items (2 on one thread, 1 on the other) or 9 unequal ones; now 6
-// or 12 equal ones, so neither thread waits for the other.
-std::pair<int64_t, int64_t> plan_splits(const int64_t* lens, const int64_t* n_new, int64_t window, int64_t B,
-                                        int64_t H, int64_t slots, int64_t S, int64_t threads) {
-  int64_t visible = 0;  // the longest span of keys any row's query rows see
-  for (int64_t b = 0; b < B; ++b)
-    if (n_new[b] > 0)
-      visible = std::max(visible, std::clamp<int64_t>(lens[b] - n_new[b] + std::min(slots, n_new[b]), 0, S) -
-                                      (window > 0 ? window_start(lens[b] - n_new[b], window) : 0));
-  int64_t nsplit = std::max<int64_t>(1, (visible + kSplit - 1) / kSplit);
-  while ((B * H * nsplit) % std::max<int64_t>(threads, 1) != 0 && visible / (nsplit + 1) >= kBlock) ++nsplit;
-  const int64_t split = std::max<int64_t>(16, ((visible + nsplit - 1) / nsplit + 15) / 16 * 16);  // whole 16-key groups
-  return {nsplit, split};
-}
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
                             const at::Tensor& n_new, int64_t slots, double scale, int64_t window) {

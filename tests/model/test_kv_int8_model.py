@@ -1,0 +1,113 @@
+"""Llama.kv_dtype = "int8" on the embedded model: the same model over a float32 cache whose writes round K/V through
+the int8 formula is the reference (the int8 cache then holds exactly those values), the compiled steps give the eager
+tokens, the fused decode layers refuse it by name, the bytes are counted exactly, and the perplexity stays close.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import static_decode.core.cache as cache_module
+from static_decode import Generator
+from static_decode.checkpoints.loading import default_model_path, load_model, load_tokenizer
+from static_decode.commands.perplexity import default_text_path, perplexity
+from static_decode.core import kv_quant
+from static_decode.generation.memory import cache_bytes
+from static_decode.model import fused_decode
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(default_model_path())
+
+
+@pytest.fixture
+def int8(model):
+    model.kv_dtype = "int8"
+    try:
+        yield model
+    finally:
+        model.kv_dtype = None
+
+
+def _quantizing_writes(monkeypatch) -> None:
+    real = cache_module.write_slots
+
+    def rounded(k, v, lens, max_len, layer, k_new, v_new, n_new, **kw):
+        k_new, v_new = (kv_quant.dequantize(*kv_quant.quantize(x)) for x in (k_new, v_new))
+        real(k, v, lens, max_len, layer, k_new, v_new, n_new, **kw)
+
+    monkeypatch.setattr(cache_module, "write_slots", rounded)
+
+
+def test_steps_equal_a_float_cache_holding_the_dequantized_values(model, monkeypatch) -> None:
+    """A prefill chunk (dequantized copy, SDPA) and token steps (the CPU kernel reading the codes): logits within
+    float32 rounding of the float32 cache holding code * scale."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (2, 12), generator=gen)
+    steps = torch.randint(0, model.config.vocab_size, (6, 2, 1), generator=gen)
+    try:
+        model.kv_dtype = "int8"
+        cache = model.new_cache(2, 64)
+        assert cache.quantized and cache.dtype == torch.int8
+        got = [model(prompt, cache, [12, 9])] + [model(t, cache, [1, 1]) for t in steps]
+    finally:
+        model.kv_dtype = None
+    _quantizing_writes(monkeypatch)
+    ref = model.new_cache(2, 64)
+    want = [model(prompt, ref, [12, 9])] + [model(t, ref, [1, 1]) for t in steps]
+    held = kv_quant.dequantize(cache.k, cache.k_scale)  # [layers, B, Hkv, max_len + 1, d]
+    torch.testing.assert_close(held[0], ref.k[0], atol=0, rtol=0)  # the first layer's inputs are the same
+    torch.testing.assert_close(held, ref.k, atol=1e-5, rtol=1e-5)  # later layers: the attention's float32 rounding
+    torch.testing.assert_close(got[0][0], want[0][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[0][1, :9], want[0][1, :9], atol=1e-4, rtol=1e-4)
+    for g, w in zip(got[1:], want[1:], strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_greedy_equals_eager_with_an_int8_cache(int8) -> None:
+    eager = Generator(int8, max_len=256, compile=False)
+    compiled = Generator(int8, max_len=256, compile=True)
+    prompt = [[1, 5, 9, 200, 31, 7]]
+    assert compiled.generate(prompt, 12, stop_at_eos=False) == eager.generate(prompt, 12, stop_at_eos=False)
+    assert compiled.cache.quantized
+
+
+def test_fused_decode_refuses_an_int8_cache(int8) -> None:
+    assert fused_decode.unsupported(int8, int8.new_cache(1, 32)) == (
+        "an int8 KV cache (the fused layers write and read float caches only)"
+    )
+
+
+def test_kv_bytes_are_exact_and_about_half_of_bfloat16(int8) -> None:
+    c = int8.config
+    cache = int8.new_cache(2, 300)
+    held = sum(t.nbytes for t in (cache.k, cache.v, cache.k_scale, cache.v_scale, cache.lens))
+    assert cache_bytes(c, 2, 300, torch.int8) == held
+    rows = 2 * c.num_layers * 2 * c.num_kv_heads * 301  # K and V rows of every layer, batch 2, max_len + spare
+    assert held == rows * (c.head_dim + 4) + 2 * 8
+    bf16 = cache_bytes(c, 2, 300, torch.bfloat16)
+    assert (held - 16) / (bf16 - 16) == (c.head_dim + 4) / (2 * c.head_dim)  # 0.53 at head_dim 64
+
+
+def test_perplexity_close_to_the_float_cache(model) -> None:
+    """512 tokens of the shipped text in chunks of 64 (prefill through the dequantized copy) and, for the last 48,
+    one token a step (the CPU kernel). The bound: an int8 code is off by at most scale / 2 = absmax / 254 (0.4% of
+    a row's largest value); for K that perturbs each score by about that fraction of its spread and for V each
+    output the same, so the mean NLL should move by well under 1% of itself. Measured: about 0.1%; allowed 1%."""
+    text = default_text_path().read_text()
+    ids = load_tokenizer(default_model_path()).encode(text, add_special_tokens=False).ids[:512]
+    base = perplexity(model, ids, 64)
+    try:
+        model.kv_dtype = "int8"
+        prefill = perplexity(model, ids, 64)
+        decode = perplexity(model, ids[:48], 1)
+    finally:
+        model.kv_dtype = None
+    base_decode = perplexity(model, ids[:48], 1)
+    assert math.isfinite(prefill.nll) and prefill.nll != base.nll
+    assert abs(prefill.nll - base.nll) < 0.01 * base.nll, (prefill.nll, base.nll)
+    assert abs(decode.nll - base_decode.nll) < 0.01 * base_decode.nll, (decode.nll, base_decode.nll)
