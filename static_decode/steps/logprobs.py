@@ -16,13 +16,20 @@ takes them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from static_decode.steps.functions import StepBuffers
+
+class StepBuffers(Protocol):
+    """The step buffers these functions read and write (static_decode.steps.functions.StepBuffers has them)."""
+
+    out: torch.Tensor  # [B, N] emitted tokens
+    logprob: torch.Tensor  # [B, N + 1] float32 the chosen token's logprob
+    top_logprobs: torch.Tensor  # [B, N + 1, P] float32 the P best logprobs
+    top_ids: torch.Tensor  # [B, N + 1, P] int32 their ids
+
 
 NO_TARGET = -1  # a prefill slot whose next prompt token is not in the prompt (the last one, padding)
 
