@@ -35,6 +35,13 @@ from static_decode.commands.args import (
 from static_decode.commands.chat_options import add_chat_template_arguments
 from static_decode.commands.samplers import add_sampler_arguments, check_sampler_flags, sampler_options
 from static_decode.commands.streaming import write_stream
+from static_decode.commands.structured_flags import (
+    add_structured_arguments,
+    compile_grammar,
+    grammar_tables,
+    read_schema,
+    without_eos,
+)
 from static_decode.generation.conversation import Conversation
 from static_decode.generation.generator import DEFAULT_CHUNK_SIZE, Generator
 from static_decode.text.chat_template import ChatTemplate
@@ -130,6 +137,7 @@ def run_chat(args: argparse.Namespace) -> int:
     tp = launch.tp if launch is not None else SINGLE
     device = launch.device if launch is not None else check_device(args.device)
     check_max_len(args.max_len)
+    schema = read_schema(args)  # --json-schema FILE / --json-object, checked before anything loads
     if launch is None or args.threads is not None:  # under torchrun the launcher shares the cores by default
         apply_threads(args)
     path = check_checkpoint(args.model or default_model_path())
@@ -147,10 +155,11 @@ def run_chat(args: argparse.Namespace) -> int:
     check_sampler_flags(args, spec is not None, model.config.vocab_size)  # refused now rather than at every turn
     capture = capture_options(args.compile, args.temperature, spec)
     gen = Generator(model, max_len=max_len, chunk_size=args.chunk_size, long_chunk=args.long_chunk, batch=1,
-                    compile=args.compile, capture=capture, speculate=spec)
+                    compile=args.compile, capture=capture, speculate=spec, grammar_tables=grammar_tables(args))
+    grammar = compile_grammar(args, schema, tokenizer, model.config.vocab_size, gen.eos_token_ids)  # every reply's
     session = ChatSession(gen, tokenizer, template, system=args.system, template_kwargs=args.chat_template_kwargs)
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-                "repeat_penalty": args.repeat_penalty, **sampler_options(args)}
+                "repeat_penalty": args.repeat_penalty, "grammar": grammar, **sampler_options(args)}
     interactive = tp.rank == 0 and sys.stdin.isatty()
     while True:
         if interactive:
@@ -172,7 +181,9 @@ def run_chat(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         turn = session.turns + 1
         try:
-            shown = write_stream(tokenizer, session.send(text, args.max_new_tokens, **sampling), sys.stdout,
+            reply = session.send(text, args.max_new_tokens, **sampling)
+            reply = reply if grammar is None else without_eos(reply, gen.eos_token_ids)  # the JSON alone
+            shown = write_stream(tokenizer, reply, sys.stdout,
                                  skip_special_tokens=not args.show_special, stops=args.stop)
         except ValueError as e:  # a turn that does not fit: say so, keep the session
             print(f"static-decode chat: error: {e} (/reset starts over)", file=sys.stderr)
@@ -220,5 +231,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_speculation_arguments(p)
     add_text_arguments(p)
     add_sampler_arguments(p)
+    add_structured_arguments(p)
     add_threads_argument(p)
     p.set_defaults(run=run_chat, distributed=True)

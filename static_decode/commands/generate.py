@@ -27,6 +27,13 @@ from static_decode.commands.args import (
 from static_decode.commands.chat_options import add_chat_template_arguments
 from static_decode.commands.samplers import add_sampler_arguments, check_sampler_flags, sampler_options
 from static_decode.commands.streaming import write_stream
+from static_decode.commands.structured_flags import (
+    add_structured_arguments,
+    compile_grammar,
+    grammar_tables,
+    read_schema,
+    without_eos,
+)
 from static_decode.generation.generator import DEFAULT_CHUNK_SIZE, DEFAULT_READ_EVERY, Generator
 from static_decode.generation.stats import GenerationStats
 
@@ -68,6 +75,7 @@ def add_generation_arguments(p: argparse.ArgumentParser, *, demo: bool = False) 
     add_speculation_arguments(p)
     add_text_arguments(p)
     add_sampler_arguments(p)
+    add_structured_arguments(p)
     add_threads_argument(p)
     if not demo:
         p.add_argument("--chat", action="store_true", help="render --prompt as one user message of the chat template")
@@ -134,6 +142,7 @@ def run_generate(args: argparse.Namespace) -> int:
     check_max_len(args.max_len)
     check_sampler_flags(args, speculating=False)  # with --speculate the generator says which it refuses
     check_output("--profile", getattr(args, "profile", None))
+    schema = read_schema(args)  # --json-schema FILE / --json-object, checked before anything loads
     launch = getattr(args, "launch", None)  # set under torchrun: this rank's shard and device
     if launch is None or args.threads is not None:  # under torchrun the launcher shares the cores by default
         apply_threads(args)
@@ -188,9 +197,10 @@ def run_generate(args: argparse.Namespace) -> int:
     # batch=1: the cache is allocated (and with --compile every step captured) here, timed as the capture
     gen = Generator(
         model, max_len=max_len, chunk_size=args.chunk_size, long_chunk=args.long_chunk, compile=args.compile,
-        capture=capture, speculate=spec, batch=1,
+        capture=capture, speculate=spec, batch=1, grammar_tables=grammar_tables(args),
     )
     t2 = time.perf_counter()
+    grammar = compile_grammar(args, schema, tokenizer, model.config.vocab_size, gen.eos_token_ids)
     tokens = gen.stream(
         prompt,
         args.max_new_tokens,
@@ -200,6 +210,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         read_every=args.read_every,
         repeat_penalty=args.repeat_penalty,
+        grammar=grammar,
         **sampler_options(args),
     )
     clock = _Clock(tokens)
@@ -214,8 +225,10 @@ def run_generate(args: argparse.Namespace) -> int:
             out.flush()
     else:
         skip = not args.show_special
-        if not chat:  # a chat prompt is the rendered template: show only the reply
+        if not chat and grammar is None:  # a chat prompt is the rendered template, JSON is for a parser: the reply
             out.write(tokenizer.decode(prompt, skip_special_tokens=skip))
+        if grammar is not None:
+            tokens = without_eos(tokens, gen.eos_token_ids)
         stopped = write_stream(tokenizer, tokens, out, skip_special_tokens=skip, stops=args.stop).stopped
     out.write("\n")
     out.flush()

@@ -19,7 +19,9 @@ from typing import Any
 
 from static_decode.commands.serve import logprobs as scored_fields
 from static_decode.commands.serve import messages as chat_fields
+from static_decode.commands.serve import structured as formats
 from static_decode.generation.request import SamplingParams, check_request
+from static_decode.generation.structured import Grammar
 from static_decode.text.chat_template import ChatTemplate
 from static_decode.text.reasoning import START as REASONING_START
 
@@ -68,6 +70,7 @@ class Context:
     defaults: Sampling = field(default_factory=Sampling)
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # --chat-template-kwargs (a request's go over)
     reasoning_format: str = "none"  # --reasoning-format: "deepseek" returns a <think> span as reasoning_content
+    grammars: formats.GrammarCache | None = None  # serve --structured: response_format's compiled grammars
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class Completion:
     logprobs: int | None = None  # alternatives per token of the answer's logprobs (None: no logprobs)
     echo: bool = False  # completions: the prompt's text (and with logprobs its tokens') before the completion's
     echo_text: str = ""  # that text: the prompt string, or the prompt ids decoded
+    grammar: Grammar | None = None  # response_format's constraint (None: free text)
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -105,7 +109,6 @@ def _bad(message: str, param: str | None = None) -> APIError:
 # anything but its neutral value is refused (400 naming it), never answered as if it were not there. field -> the
 # values that leave the output as it is.
 UNHONOURED: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
     "typical_p": (None, 1, 1.0),
     "functions": (None, []),
     "function_call": (None, "none"),
@@ -319,12 +322,16 @@ def parse(raw: bytes, ctx: Context, *, chat: bool) -> Completion:
                       draft_slots=ctx.draft_slots)
     except (ValueError, TypeError) as e:
         raise _bad(str(e)) from e
+    try:  # compiled (or found in the cache) once the rest of the request is known good
+        grammar = formats.response_format(body, ctx.grammars, ctx.draft_slots > 0)
+    except formats.FormatError as e:
+        raise _bad(str(e), "response_format") from e
     return Completion(chat=chat, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                       top_k=top_k, seed=seed, stop=stop, stream=stream,
                       include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos, **samplers,
                       repeat_penalty=repeat_penalty, reasoning=reasoning,
                       reasoning_open=reasoning and rendered.rstrip().endswith(REASONING_START), logprobs=logprobs,
-                      echo=echo, echo_text=_echo_text(body, ids, ctx) if echo else "")
+                      echo=echo, echo_text=_echo_text(body, ids, ctx) if echo else "", grammar=grammar)
 
 
 def _echo_text(body: dict[str, Any], ids: list[int], ctx: Context) -> str:

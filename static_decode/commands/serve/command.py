@@ -1,7 +1,7 @@
 """`static-decode serve --model DIR`: an OpenAI-compatible HTTP server for single-stream decode.
 
     static-decode serve --model DIR [--host 127.0.0.1] [--port 8000] [--compile] [--max-len N] [--queue N]
-                        [--quantize int8|int4] [-t N] [--speculate ...] [sampling defaults]
+                        [--quantize int8|int4] [-t N] [--speculate ...] [--structured] [sampling defaults]
 
 It loads the checkpoint, builds the generator (batch 1) and, with --compile, captures the steps of greedy and
 sampled requests (--capture-kinds) before it listens, so the first request is as fast as the rest; then it prints
@@ -59,6 +59,17 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: {e}") from None
     speculating = getattr(args, "speculate", None) is not None or getattr(args, "draft_model", None) is not None
     check_sampler_flags(args, speculating)  # --min-p, the penalties, --logit-bias (and --repeat-penalty speculating)
+    if args.structured and speculating:
+        raise ValueError("--structured (response_format) is not supported with speculative decoding (--speculate)")
+
+
+def _check_grammar_libraries() -> None:
+    try:
+        import outlines_core  # noqa: F401
+        import xgrammar  # noqa: F401
+    except ModuleNotFoundError as e:
+        raise ValueError(f"--structured needs outlines-core and xgrammar (the [grammar] extra; {e.name} is missing): "
+                         "pip install 'static-decode[grammar]'") from e
 
 
 def build(args: argparse.Namespace):  # -> tuple[Served, Generator]
@@ -67,9 +78,11 @@ def build(args: argparse.Namespace):  # -> tuple[Served, Generator]
     from capture.settings import CaptureOptions
     from static_decode.commands.serve.api import Context, Sampling
     from static_decode.commands.serve.app import Served
+    from static_decode.commands.serve.structured import GrammarCache
     from static_decode.commands.serve.worker import Worker
     from static_decode.generation.prefix_cache import PrefixCache
     from static_decode.generation.scoring import MAX_LOGPROBS
+    from static_decode.generation.structured import DEFAULT_GRAMMAR_TABLES
     from static_decode.steps.functions import GREEDY_KINDS, SAMPLED_KINDS
     from static_decode.steps.verify import speculative_kinds
 
@@ -87,6 +100,8 @@ def build(args: argparse.Namespace):  # -> tuple[Served, Generator]
         except ModuleNotFoundError as e:
             raise ValueError("--metrics needs prometheus-client (the [serve] extra): pip install "
                              "'static-decode[serve]'") from e
+    if args.structured:
+        _check_grammar_libraries()
     apply_threads(args)
     model = load_model(path, dtype=args.dtype, device=device, quantize=args.quantize)
     check_sampler_flags(args, False, model.config.vocab_size)  # --logit-bias ids in this vocabulary
@@ -102,17 +117,19 @@ def build(args: argparse.Namespace):  # -> tuple[Served, Generator]
         capture = CaptureOptions(kinds=tuple(dict.fromkeys(kinds)))
     gen = Generator(model, max_len=max_len, chunk_size=args.chunk_size, long_chunk=args.long_chunk, batch=1,
                     compile=args.compile, capture=capture, read_every=args.read_every, speculate=spec,
-                    max_logprobs=MAX_LOGPROBS)  # a request's logprobs / top_logprobs, up to OpenAI's 20
+                    max_logprobs=MAX_LOGPROBS,  # a request's logprobs / top_logprobs, up to OpenAI's 20
+                    grammar_tables=DEFAULT_GRAMMAR_TABLES if args.structured else None)
     if args.compile:
         gen.warm_up(capture.kinds, progress=True)
     else:  # the first request's one-time costs (kernels' first calls, allocator) paid here
         gen.generate([0], 2, stop_at_eos=False)
     defaults = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                         repeat_penalty=args.repeat_penalty, max_tokens=args.max_tokens, **sampler_options(args))
+    grammars = GrammarCache(tokenizer, model.config.vocab_size, gen.eos_token_ids) if args.structured else None
     ctx = Context(model_name=args.model_name or path.resolve().name, tokenizer=tokenizer, template=template,
                   vocab_size=model.config.vocab_size, max_len=max_len, draft_slots=gen.draft_slots,
                   defaults=defaults, template_kwargs=args.chat_template_kwargs or {},
-                  reasoning_format=args.reasoning_format)
+                  reasoning_format=args.reasoning_format, grammars=grammars)
     worker = Worker(PrefixCache(gen), tokenizer, args.queue)
     metrics = None
     if args.metrics:
@@ -208,6 +225,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "reasoning_format goes over it)")
     p.add_argument("--metrics", action="store_true",
                    help="Prometheus metrics at GET /metrics (request counts, queue depth, prefill and per-token time)")
+    p.add_argument("--structured", action="store_true",
+                   help="honour response_format json_object / json_schema (grammar tables on the device: about 4 MiB, "
+                   "and a mask per decode step for every request)")
     add_quantize_argument(p)
     add_threads_argument(p)
     add_speculation_arguments(p)

@@ -152,7 +152,8 @@ class Worker:
                                                stop_at_eos=not r.ignore_eos, repeat_penalty=r.repeat_penalty,
                                                min_p=r.min_p, presence_penalty=r.presence_penalty,
                                                frequency_penalty=r.frequency_penalty, logit_bias=r.logit_bias,
-                                               logprobs=r.logprobs, prompt_logprobs=r.logprobs if scored else None)
+                                               logprobs=r.logprobs, prompt_logprobs=r.logprobs if scored else None,
+                                               grammar=r.grammar)
         except (ValueError, TypeError) as e:  # checked on the HTTP side already; the generator has the last word
             job.post("error", APIError(400, str(e)))
             return
