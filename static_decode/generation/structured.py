@@ -2,9 +2,10 @@
 
 - device: outlines-core compiles the schema's regular expression to a token-level automaton; its tables go to the
   step buffers (static_decode.steps.grammar) and the captured steps mask and advance it: no host sync per token.
-- host: a grammar that is not regular (`json_object`: nesting of any depth; a recursive schema), or an automaton
-  larger than the generator's tables, runs xgrammar's matcher on the host: the generator reads back every step
-  and writes the next step's mask (`bufs.grammar_allow`).
+- host: a grammar that is not regular (`json_object`: nesting of any depth), a schema outlines-core does not take,
+  or an automaton larger than the generator's tables, runs xgrammar's matcher on the host (outlines-core unrolls a
+  recursive `$ref` to depth 3, so such a schema stays on the device, nesting at most that deep): the generator
+  reads back every step and writes the next step's mask (`bufs.grammar_allow`).
 
 `Grammar` is compiled once per schema and tokenizer (it is the slow part) and reused by every request that names
 it (SamplingParams(grammar=...)). Which library and why: docs/guide.md#structured-output.
