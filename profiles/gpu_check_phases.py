@@ -32,6 +32,7 @@ from capture import BucketLadder, CaptureOptions
 from capture import _dynamo_counters as dc
 from static_decode import Generator, Llama
 from static_decode.core import attention as attn
+from static_decode.core import masks
 from static_decode.steps.functions import GREEDY_KINDS
 
 
@@ -78,7 +79,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Ten
     B, Hq, T, d = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    visible = attn.chunk_mask(lens, n_new, T, S)  # [B, T, S]
+    visible = masks.chunk_mask(lens, n_new, T, S)  # [B, T, S]
     qf = q.double().view(B, Hkv, G, T, d)
     scores = torch.einsum("bhgtd,bhsd->bhgts", qf, k.double()) / math.sqrt(d)  # [B, Hkv, G, T, S]
     scores = scores.masked_fill(~visible[:, None, None], -math.inf)

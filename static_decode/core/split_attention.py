@@ -98,7 +98,7 @@ def split_key_attention(
     first_block: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, T, d]; k/v [B, Hkv, S, d] views of the cache (B and Hkv merge into one stride); the step mask's
-    forms (attention.StepMask): bias [B, 1, G*T, S] additive, visible [B, T, S], real [B, T], its sliding `window`
+    forms (masks.StepMask): bias [B, 1, G*T, S] additive, visible [B, T, S], real [B, T], its sliding `window`
     and, for a windowed read longer than the window's blocks, `first_block` [B] (then bias and visible cover only
     the nw blocks from first_block[b] on: `window_blocks`). Returns [B, Hq, T, d]."""
     B, Hq, T, d = q.shape

@@ -10,7 +10,6 @@ Design notes: docs/internals.md#generator.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -18,13 +17,11 @@ import numpy as np
 import torch
 
 from capture.settings import CaptureOptions
-from static_decode.base import ranges
 from static_decode.base.checks import check_int
 from static_decode.core.cache import StaticKVCache
-from static_decode.generation import scoring, structured
+from static_decode.generation import host_loop, scoring, structured
 from static_decode.generation.memory import cache_bytes, check_fits, generation_bytes
 from static_decode.generation.request import Request, SamplingOptions, SamplingParams, check_request
-from static_decode.generation.speculative_loop import decode_speculative
 from static_decode.generation.stats import GenerationStats
 from static_decode.kernels import cpu_kernel
 from static_decode.model.llama import Llama
@@ -35,13 +32,9 @@ from static_decode.steps.functions import (
     StepBuffers,
     StepFn,
     StepRunner,
-    logprobs,
-    prefill_long,
-    prefill_scored,
-    read_rows,
     sampling,
 )
-from static_decode.steps.speculation import DraftModel, PromptLookup, Speculation, SpeculationPolicy
+from static_decode.steps.speculation import DraftModel, PromptLookup, Speculation
 from static_decode.steps.verify import speculative_steps
 
 if TYPE_CHECKING:
@@ -350,44 +343,6 @@ class Generator:
         self.structured_why = None if req.grammar is None else structured.why_host(req.grammar, bufs, eos)
         return history
 
-    def _prefill(self, rows: list[list[int]], score: bool = False) -> None:
-        """Feed the prompts in chunks (the last padded); rows run out at their length. While the longest row has
-        `long_chunk` tokens left, a long chunk runs uncompiled at the exact live read length (see
-        DEFAULT_LONG_CHUNK); the rest goes in chunk_size chunks through the runner (compiled, captured). score:
-        every chunk is a chunk_size `prefill_scored` (uncompiled), which keeps each prompt token's logprob."""
-        cache, bufs = self.cache, self.bufs
-        lens = np.array([len(r) for r in rows] + [0] * (cache.batch - len(rows)), dtype=np.int64)
-        start, longest = 0, int(lens.max())
-        while start < longest:
-            long = not score and self.long_chunk > 0 and longest - start >= self.long_chunk
-            C = self.long_chunk if long else self.chunk_size
-            n = np.clip(lens - start, 0, C)
-            chunk = np.zeros((cache.batch, C), dtype=np.int64)
-            for b, row in enumerate(rows):
-                chunk[b, : n[b]] = row[start : start + n[b]]
-            n = cache.validate(n, C)
-            (bufs.long_chunk if long else bufs.chunk).copy_(torch.from_numpy(chunk))
-            bufs.n_new.copy_(torch.from_numpy(n))
-            longest_after = int((cache.host_lens + n).max())
-            with ranges.range(ranges.PREFILL_CHUNK, ranges.COLORS["prefill"]):
-                if long:  # (the caller holds no_grad)
-                    fresh = bool((cache.host_lens == 0).all() and (n == C).all())  # causal SDPA, no mask
-                    prefill_long(self.model, cache, bufs, longest_after, fresh=fresh)
-                elif score:
-                    targets = logprobs.prompt_targets(rows, start, C, cache.batch)  # [B, C]
-                    prefill_scored(self.model, cache, bufs, longest_after,
-                                   targets=torch.from_numpy(targets).to(cache.device), start=start)
-                    if self.draft_cache is not None:
-                        read_len = self.read_len(longest_after)
-                        self.step_fn("draft_prefill", read_len)(self.model, cache, bufs, read_len)
-                else:
-                    read_len = self.read_len(longest_after)
-                    self.step_fn("prefill", read_len)(self.model, cache, bufs, read_len)
-                    if self.draft_cache is not None:
-                        self.step_fn("draft_prefill", read_len)(self.model, cache, bufs, read_len)
-            cache.commit(n)
-            start += C
-
     def _run(
         self, req: Request, every: int, keep_cache: bool = False, history: Sequence[int] = ()
     ) -> Iterator[list[list[int]]]:
@@ -401,75 +356,6 @@ class Generator:
             )
         self._busy = True
         try:
-            yield from self._run_unlocked(req, every, keep_cache, history)
+            yield from host_loop.run(self, req, every, keep_cache, history)
         finally:
             self._busy = False
-
-    def _run_unlocked(
-        self, req: Request, every: int, keep_cache: bool, history: Sequence[int]
-    ) -> Iterator[list[list[int]]]:
-        history = self._prepare(req, keep_cache, history)  # may allocate and capture: untimed
-        constraint = self._constraint
-        if constraint is not None and constraint.path == "host":
-            every = 1  # the host writes each step's mask from the token before it
-        self.prompt_logprobs = None
-        t0 = time.perf_counter()
-        cache, bufs, model, R, max_new = self.cache, self.bufs, self.model, len(req.rows), req.max_new_tokens
-        eos = set(self.eos_token_ids) if req.stop_at_eos else set()
-        emitted = np.zeros(R, dtype=np.int64)
-        finished = np.zeros(R, dtype=bool)
-        complete = False
-        # NVTX ranges wrap each launch on the host (never inside a compiled step). Decode samples inside its step,
-        # so "sample" marks only the separate first-token launch.
-        sample_range = ranges.range(ranges.SAMPLE, ranges.COLORS["sample"])
-        decode_range = ranges.range(ranges.DECODE_STEP, ranges.COLORS["decode"])
-        try:
-            # Grad mode is set per launch, never held across a yield (it is thread-global state of the caller).
-            with torch.no_grad():
-                self._prefill(req.rows, score=req.prompt_logprobs is not None)
-                with sample_range:
-                    self.step_fn("first_greedy" if req.greedy else "first", 0)(model, cache, bufs, 0)
-            self.prompt_logprobs = scoring.prompt_records(bufs, req)  # before a decode step writes their columns
-            if self.speculate is not None:
-                piece = read_rows(bufs, 1, finished, emitted, eos, max_new)
-                t1 = time.perf_counter()
-                yield scoring.records(bufs, req, piece, emitted)
-                policy = SpeculationPolicy(self.speculate)
-                steps = yield from scoring.mapped(
-                    decode_speculative(self, req, every, policy, finished, emitted, eos, history),
-                    lambda piece: scoring.records(bufs, req, piece, emitted),
-                )
-            else:
-                steps = 0
-                longest = int(cache.host_lens.max())  # exact now; an upper bound from here on
-                kind = "decode_greedy" if req.greedy else "decode"
-                while True:
-                    if steps + 1 == max_new or steps % every == 0:
-                        piece = read_rows(bufs, steps + 1, finished, emitted, eos, max_new)
-                        if constraint is not None:
-                            constraint.update(bufs, piece, finished)
-                        if steps == 0:
-                            t1 = time.perf_counter()
-                        yield scoring.records(bufs, req, piece, emitted)
-                        if steps + 1 == max_new or finished.all():
-                            break
-                    steps += 1
-                    read_len = self.read_len(longest + steps)
-                    with torch.no_grad(), decode_range:
-                        self.step_fn(kind, read_len)(model, cache, bufs, read_len)
-                policy = None
-            t2 = time.perf_counter()
-            # Each emitted token except a row's last was fed back: that is how far the device lengths moved.
-            cache.commit(np.concatenate([emitted - 1, np.zeros(cache.batch - R, dtype=np.int64)]))
-            complete = True
-            # Steps that still emitted for some row (the first token's step aside); read after the clock stopped.
-            live = int(bufs.live_steps[:R].max()) - 1
-            self.stats = GenerationStats(
-                prompt_tokens=req.prompt_tokens, new_tokens=int(emitted.sum()), prefill_s=t1 - t0,
-                decode_s=t2 - t1, decode_steps=steps, verify_steps=0 if policy is None else policy.verify_steps,
-                accepted_per_step=0.0 if policy is None else policy.accepted_per_step, rows=R, live_steps=live,
-            )
-        finally:
-            if not complete:  # abandoned or failed: leave a consistent, empty cache
-                cache.reset()
-                self.epoch += 1

@@ -21,17 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from static_decode.core import kv_quant
-from static_decode.core.attention import (
-    AUTO,
-    FRESH,
-    SOFTCAP_IMPLS,
-    StepMask,
-    check_window,
-    grouped_attention,
-    resolve_impl,
-    step_mask,
-)
+from static_decode.core.attention import AUTO, SOFTCAP_IMPLS, grouped_attention, resolve_impl
 from static_decode.core.cache import LayerSpan, StaticKVCache
+from static_decode.core.masks import FRESH, StepMask, check_window, step_mask
 from static_decode.model import projection, rope
 from static_decode.model.config import LlamaConfig
 from static_decode.model.joining import checkpoint_layout
@@ -283,7 +275,7 @@ def step_attention(
     query rows) and its masks, one per sliding window in `windows` (the layers' `layer_windows`), each built once
     and shared by the layers of that window: FRESH for a fresh chunk (causal SDPA, no mask) that fits in the
     window, None where there is nothing to mask (flex and decode_kernel evaluate their own inside the kernel; no
-    keys or no slots), else `attention.step_mask` in the cache's dtype `kv_dtype`. `skip`: formulations resolved
+    keys or no slots), else `masks.step_mask` in the cache's dtype `kv_dtype`. `skip`: formulations resolved
     past. `softcap` (some layer softcaps its scores: `softcapped`): "auto" is "matmul", a formulation that cannot
     softcap (attention.SOFTCAP_IMPLS) is refused naming it, and a fresh chunk gets its mask (no causal SDPA)."""
     if softcap:

@@ -189,7 +189,7 @@ class Llama(nn.Module):
         """The step up to (and including) the final norm: [B, T, D]. Writes K/V and advances the lengths.
 
         fresh=True promises (the host checked its mirror) that every row starts empty and fills all T slots and
-        read_len == T: the attention then runs causal SDPA instead of a mask (attention.StepMask.causal)."""
+        read_len == T: the attention then runs causal SDPA instead of a mask (masks.StepMask.causal)."""
         T = tokens.shape[1]
         positions = cache.lens[:, None] + torch.arange(T, device=tokens.device)  # [B, T] old lens + slot
         lens_after = cache.lens + n_new  # [B]

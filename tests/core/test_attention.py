@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from static_decode import StaticKVCache, gqa_attention
-from static_decode.core.attention import DEFAULT_IMPL, IMPLS, chunk_mask
+from static_decode.core.attention import DEFAULT_IMPL, IMPLS
+from static_decode.core.masks import chunk_mask
 from static_decode.core.reference import attention_direct, attention_vectorised
 from tests.support.chunked import new_pair, schedule, to_torch
 
@@ -230,7 +231,8 @@ def test_a_fresh_chunk_runs_causal_and_equals_the_reference(g: int) -> None:
     """StepMask.causal (a chunk from position 0 filling every slot, read == T): per-group causal SDPA, exactly
     rule 3 against the float64 reference; a read longer than the chunk is refused."""
     import static_decode.core.attention as attention_module
-    from static_decode.core.attention import FRESH, grouped_attention
+    from static_decode.core.attention import grouped_attention
+    from static_decode.core.masks import FRESH
 
     rng = np.random.default_rng(g)
     batch, hkv, T, d = 2, 2, 11, 8
@@ -255,7 +257,8 @@ def test_a_fresh_chunk_reads_k_and_v_in_place() -> None:
     """Rule 2 on the causal path: no repeat, no copy of K or V (the CPU kernel maps the GQA heads itself)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from static_decode.core.attention import FRESH, grouped_attention
+    from static_decode.core.attention import grouped_attention
+    from static_decode.core.masks import FRESH
 
     T, d = 64, 16
     k, v = torch.randn(2, 1, 3, T + 1, d)[:, :, :, :T]  # [1, Hkv, T, d] strided like the cache

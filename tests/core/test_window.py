@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from static_decode import StaticKVCache, gqa_attention
-from static_decode.core.attention import IMPLS, chunk_mask, grouped_attention, step_mask
+from static_decode.core.attention import IMPLS, grouped_attention
+from static_decode.core.masks import chunk_mask, step_mask
 from static_decode.core.reference import attention_direct, attention_vectorised
 from tests.support.chunked import History, new_pair, schedule, to_torch
 
@@ -200,7 +201,7 @@ def test_step_mask_of_a_window_is_checked_against_the_layer() -> None:
 def test_fresh_chunk_longer_than_the_window() -> None:
     """A fresh chunk (StepMask.causal) through a window shorter than it takes the window's mask; within it, the
     causal kernel, exactly the reference either way."""
-    from static_decode.core.attention import FRESH
+    from static_decode.core.masks import FRESH
 
     rng = np.random.default_rng(2)
     q, k, v = rng.standard_normal((1, 4, 24, 8)), *rng.standard_normal((2, 1, 2, 24, 8))

@@ -285,7 +285,7 @@ def test_flex_attention_is_refused_for_compiled_cpu_steps():
 def test_long_chunks_prefill_the_bulk_uncompiled_and_change_no_token(pair, monkeypatch):
     """While the longest row has long_chunk tokens left, one long chunk (not a runner launch) at the exact live
     read length; the rest in chunk_size chunks through the runner. Tokens equal transformers' and long_chunk=0."""
-    import static_decode.generation.generator as generator_module
+    import static_decode.generation.host_loop as generator_module  # where the host loop looks it up
 
     hf, model = pair
     seen = []
@@ -304,7 +304,7 @@ def test_long_chunks_prefill_the_bulk_uncompiled_and_change_no_token(pair, monke
     assert seen == [([7, 2, 8], 8, 8, False), ([0, 0, 8], 16, 8, False)]  # ragged rows: masked attention
     assert [k for k, _ in gen.launches][:2] == ["prefill", "first_greedy"]
     seen.clear()
-    # One row from empty filling the chunk: causal attention without a mask (attention.StepMask.causal), then not.
+    # One row from empty filling the chunk: causal attention without a mask (masks.StepMask.causal), then not.
     assert gen.generate(PROMPTS[2], 6) == out[2]
     assert seen == [([8, 0, 0], 8, 8, False), ([8, 0, 0], 16, 8, False)]  # the batch-3 cache's idle rows: masked
     seen.clear()

@@ -22,7 +22,7 @@ from outlines_core.json_schema import build_regex_from_schema
 from tokenizers import Tokenizer
 
 from static_decode import Generator, Llama, LlamaConfig
-from static_decode.generation import generator as generator_module
+from static_decode.generation import host_loop as generator_module  # the host loop reads the rows back
 from static_decode.generation.structured import DEFAULT_GRAMMAR_TABLES, Grammar
 from static_decode.steps import grammar
 from static_decode.steps.functions import StepBuffers

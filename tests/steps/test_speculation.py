@@ -116,9 +116,9 @@ class AlternatingPolicy(SpeculationPolicy):
 def test_draft_model_keeps_its_cache_through_plain_pauses(models, monkeypatch):
     """While speculation pauses, draft_follow feeds the draft each token: with the target as its own draft,
     every verify step after a pause still accepts everything (a stale draft cache would not)."""
-    import static_decode.generation.generator
+    import static_decode.generation.host_loop
 
-    monkeypatch.setattr(static_decode.generation.generator, "SpeculationPolicy", AlternatingPolicy)
+    monkeypatch.setattr(static_decode.generation.host_loop, "SpeculationPolicy", AlternatingPolicy)
     target = models[0]
     spec = DraftModel(target, tokens=3, pause_steps=3)
     gen = Generator(target, max_len=96, chunk_size=8, eos_token_ids=[], speculate=spec, read_every=2)

@@ -237,7 +237,7 @@ def test_kv_dtype_option_reaches_the_config_the_command_and_the_model(checkpoint
     ))
     assert config.kv_dtype == "bfloat16" and "--kv-dtype bfloat16" in config.command(1)
     with pytest.raises(SystemExit):
-        _args("--kv-dtype", "int8")
+        _args("--kv-dtype", "int4")  # not a cache dtype (int8 is)
     doc = bench_run.run(config)
     assert (doc["model"]["dtype"], doc["model"]["kv_dtype"]) == ("float32", "bfloat16")
     assert doc["rows"] and doc["rows"][0]["ms_per_token"] > 0
