@@ -22,7 +22,6 @@ pytest.importorskip("xgrammar")
 from static_decode import Generator, load_model  # noqa: E402
 from static_decode.checkpoints.loading import default_model_path, load_tokenizer  # noqa: E402
 from static_decode.generation.structured import DEFAULT_GRAMMAR_TABLES, Grammar  # noqa: E402
-from tests.commands.serve.test_server import chat_model  # noqa: E402, F401
 from tests.support.cli import run  # noqa: E402
 
 SCHEMA = {

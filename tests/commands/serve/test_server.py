@@ -15,8 +15,6 @@ second, answering the open requests.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,55 +33,7 @@ pytest.importorskip("uvicorn")
 from static_decode import Generator, load_model  # noqa: E402
 from static_decode.checkpoints.loading import default_model_path, load_tokenizer  # noqa: E402
 from static_decode.text.chat_template import load_chat_template  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[3]
-MAX_LEN = 512
-QUEUE = 3
-TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}" \
-           "{% if add_generation_prompt %}<assistant>{% endif %}"
-
-
-class Server:
-    """A `static-decode serve` subprocess; `url` once it printed its address line."""
-
-    def __init__(self, model: Path, *extra: str) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "static_decode", "serve", "--model", str(model), "--port", "0",
-             "--max-len", str(MAX_LEN), "--queue", str(QUEUE), *extra],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        self.lines: list[str] = []
-        line = self.proc.stdout.readline()  # blocks until the server listens (or dies)
-        if " on http://" not in line:
-            self.proc.kill()
-            raise RuntimeError(f"the server did not start: {line!r} {self.proc.stderr.read()}")
-        self.url = line.split(" on ", 1)[1].split()[0]
-        self.line = line
-
-    def rss_kb(self) -> int:
-        for row in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if row.startswith("VmRSS:"):
-                return int(row.split()[1])
-        raise RuntimeError("no VmRSS")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdout, self.proc.stderr):
-            f.close()
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory) -> Path:
-    """The embedded model with a chat template (it has none of its own)."""
-    d = tmp_path_factory.mktemp("served")
-    for f in default_model_path().iterdir():
-        if f.is_file():
-            shutil.copy(f, d / f.name)
-    (d / "chat_template.jinja").write_text(TEMPLATE)
-    return d
+from tests.support.servers import MAX_LEN, ROOT, Server, _post, client  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -120,10 +70,6 @@ def ref(chat_model):
             return tok.decode(out[:-1] if eos else out, skip_special_tokens=True), "stop" if eos else "length"
 
     return Ref()
-
-
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
 
 PROMPTS = ["def fib(n):", "import os\n\nclass ", "    return self."]
@@ -200,11 +146,6 @@ def test_stop_strings_cut_the_text(server, ref):
     assert got.choices[0].text == want and got.choices[0].finish_reason == "stop"
     streamed = c.completions.create(model=model, prompt=prompt, max_tokens=40, stop=stop, stream=True)
     assert "".join(ch.choices[0].text for ch in streamed) == want
-
-
-def _post(server: Server, path: str, body: object) -> httpx.Response:
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
 
 
 def test_errors_have_openai_bodies_and_change_nothing(server, ref):

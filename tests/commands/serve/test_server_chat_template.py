@@ -21,9 +21,9 @@ transformers = pytest.importorskip("transformers")
 
 from static_decode import Generator, load_model  # noqa: E402
 from static_decode.checkpoints.loading import load_tokenizer  # noqa: E402
-from tests.commands.serve.test_server import Server, _post, client  # noqa: E402
 from tests.support.checkpoints import hf_llama, rewrite_config, save  # noqa: E402
 from tests.support.qwen3 import qwen3_tokenizer_dir  # noqa: E402
+from tests.support.servers import Server, _post, client  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                            "parameters": {"type": "object", "properties": {

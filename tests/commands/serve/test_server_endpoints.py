@@ -17,8 +17,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 prometheus = pytest.importorskip("prometheus_client.parser")
 
-from tests.commands.serve.test_server import Server, _post  # noqa: E402
 from tests.support.scripted import scripted_checkpoint  # noqa: E402
+from tests.support.servers import Server, _post  # noqa: E402
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 SCRIPT = [ord(">"), *b"ok"]

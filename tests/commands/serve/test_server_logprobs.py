@@ -29,7 +29,7 @@ from static_decode import Generator, load_model  # noqa: E402
 from static_decode.checkpoints.loading import default_model_path, load_tokenizer  # noqa: E402
 from static_decode.commands.perplexity import perplexity  # noqa: E402
 from static_decode.text.chat_template import load_chat_template  # noqa: E402
-from tests.commands.serve.test_server import MAX_LEN, TEMPLATE, Server  # noqa: E402
+from tests.support.servers import MAX_LEN, TEMPLATE, Server  # noqa: E402
 
 PROMPT = "def fib(n):\n    return"
 N = 8

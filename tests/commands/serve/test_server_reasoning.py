@@ -18,8 +18,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("openai")
 pytest.importorskip("starlette")
 
-from tests.commands.serve.test_server import Server, _post, client  # noqa: E402
 from tests.support.scripted import scripted_checkpoint  # noqa: E402
+from tests.support.servers import Server, _post, client  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% if open_thinking %}<think>{% endif %}{% endif %}")

@@ -28,7 +28,7 @@ from static_decode import Generator, load_model  # noqa: E402
 from static_decode.checkpoints.loading import default_model_path, load_tokenizer  # noqa: E402
 from static_decode.commands.serve import api  # noqa: E402
 from static_decode.text.chat_template import load_chat_template  # noqa: E402
-from tests.commands.serve.test_server import MAX_LEN, ROOT, TEMPLATE, Server  # noqa: E402
+from tests.support.servers import MAX_LEN, ROOT, TEMPLATE, Server  # noqa: E402
 
 PROMPT = "def fib(n):"
 DEFAULTS = ["--frequency-penalty", "0.8", "--logit-bias", "LATER"]  # LATER: filled with the banned id

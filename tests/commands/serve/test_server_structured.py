@@ -31,7 +31,7 @@ from static_decode.commands.serve import api  # noqa: E402
 from static_decode.commands.serve.structured import GrammarCache  # noqa: E402
 from static_decode.generation.structured import DEFAULT_GRAMMAR_TABLES, Grammar  # noqa: E402
 from static_decode.text.chat_template import load_chat_template  # noqa: E402
-from tests.commands.serve.test_server import MAX_LEN, ROOT, Server, chat_model, client  # noqa: E402, F401
+from tests.support.servers import MAX_LEN, ROOT, Server, client  # noqa: E402
 
 SCHEMA = {
     "type": "object",
