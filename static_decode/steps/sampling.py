@@ -51,13 +51,20 @@ def row_seed(seed: int, row: int) -> int:
     return s if row == 0 else mix32_host(s ^ mix32_host(row))
 
 
+def _stored(x: torch.Tensor) -> torch.Tensor:
+    """x itself, as an identity view that inductor must write to a buffer. Every xor-shift reads its input
+    twice, so inductor, inlining pointwise producers, expands nested mixers exponentially: storing each
+    mixer's output keeps the sampled steps' compile time near the greedy ones' (docs/internals.md#sampling)."""
+    return torch.as_strided(x, x.shape, x.stride())
+
+
 def uniform(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, V] float32 uniforms in (0, 1) hashed from (seed[b], step[b], v); seed [B] int64 < 2**32, step [] or
     [B] int64 (each row's own counter)."""
     v = torch.arange(vocab, device=seed.device, dtype=torch.int64)  # [V]
-    key = mix32(seed ^ (step & MASK32))  # [B]
-    key2 = mix32(key ^ SEED_SALT)  # [B]
-    h = mix32(mix32(v[None, :] ^ key[:, None]) ^ key2[:, None])  # [B, V], two keyed rounds
+    key = _stored(mix32(_stored(seed) ^ (step & MASK32)))  # [B] (the seed may itself be a mixer's output)
+    key2 = _stored(mix32(key ^ SEED_SALT))  # [B]
+    h = _stored(mix32(_stored(mix32(v[None, :] ^ key[:, None])) ^ key2[:, None]))  # [B, V], two keyed rounds
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in float32, never 0 or 1
 
 

@@ -14,6 +14,7 @@ from capture.settings import CompileSettings
 from static_decode.commands.args import check_output, int_list, name_list
 from static_decode.commands.bench.config import QUICK, BenchConfig
 from static_decode.commands.bench.report import report
+from static_decode.commands.bench.requests import FORMS
 from static_decode.commands.bench.run import run
 from static_decode.commands.bench.systems import SYSTEMS
 from static_decode.model.quant import CHOICES
@@ -41,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=None, metavar="FORM[,FORM...]",
                    help=f"static-decode's weight forms, each its own systems ('static-decode int8'): none (the "
                    f"checkpoint's dtype), {', '.join(CHOICES)} (static_decode.model.quant; CPU); e.g. none,int8,int4")
+    p.add_argument("--requests", default=None, metavar="FORM[,FORM...]",
+                   help=f"request forms static-decode is timed with, each its own system beside greedy "
+                   f"('static-decode min-p'): {', '.join(FORMS)} (default greedy)")
     p.add_argument("--attention-lengths", type=int_list, default=None, help="attention microbenchmark lengths")
     p.add_argument("--no-attention", action="store_true", help="skip the attention microbenchmark")
     p.add_argument("--transformers-compile", action=argparse.BooleanOptionalAction, default=True,
@@ -76,7 +80,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         dtype=args.dtype, kv_dtype=args.kv_dtype, quantize=args.quantize,
         attention_lengths=None if args.no_attention else pick("attention_lengths"),
         transformers_compile=args.transformers_compile, progress=not args.quiet, profile=args.profile,
-        wait_idle=args.wait_idle, gguf=args.gguf, peer_timeout=args.peer_timeout,
+        wait_idle=args.wait_idle, gguf=args.gguf, peer_timeout=args.peer_timeout, requests=args.requests,
     )
 
 

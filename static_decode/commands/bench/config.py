@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from static_decode.base.checks import check_int, is_number
+from static_decode.commands.bench.requests import request_forms
 from static_decode.commands.bench.systems import SYSTEMS
 from static_decode.model.parallel import SINGLE, TensorParallel
 from static_decode.model.quant import CHOICES, parse
@@ -111,9 +112,16 @@ class BenchConfig:
     # the longest wait for one answer of a peer's worker process (llama.cpp: the load, a prefill, a request's
     # decode steps); past it the worker is killed and its row says it hung
     peer_timeout: float = 600.0
+    # the request forms static-decode is timed with ("greedy", "logprobs", "min-p", ...; bench.requests.FORMS),
+    # each its own system beside plain greedy; a tuple once made
+    requests: str | tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         self.quantize = quantize_forms(self.quantize)
+        self.requests = request_forms(self.requests)
+        if self.requests != ("greedy",) and "static-decode" not in self.systems:
+            raise ValueError(f"--requests {','.join(self.requests)} times the static-decode system, which "
+                             f"--systems {','.join(self.systems)} leaves out")
         self.gguf = gguf_files(self.gguf)
         for name in ("max_len", "steps", "repeats"):
             check_int(name, getattr(self, name), minimum=1)
@@ -167,6 +175,7 @@ def command(config: BenchConfig, threads: int) -> str:
     parts += [f"--dtype {config.dtype}"] if config.dtype else []
     parts += [f"--kv-dtype {config.kv_dtype}"] if config.kv_dtype else []
     parts += [f"--quantize {','.join(config.quantize)}"] if config.quantize else []
+    parts += [f"--requests {','.join(config.requests)}"] if config.requests != ("greedy",) else []
     if config.attention_lengths is None:
         parts.append("--no-attention")
     else:

@@ -19,6 +19,7 @@ import torch
 
 from static_decode.checkpoints.loading import load_model
 from static_decode.commands.bench.config import BenchConfig, GGUFFile
+from static_decode.commands.bench.requests import FORMS, system_name
 from static_decode.model.llama import Llama
 from static_decode.model.quant import read_bytes
 
@@ -106,6 +107,7 @@ class Planned:
     gguf: GGUFFile | None = None
     facts: GGUFFacts | None = None
     skip: str = ""  # why it is skipped before it is built ("": built)
+    request: str = "greedy"  # the request form a static-decode system is timed with (bench.requests.FORMS)
 
 
 # the concat baseline multiplies by the float matrices (attention's qkv_weights): no quantized form
@@ -134,7 +136,12 @@ def plan(config: BenchConfig, facts: dict[Path, GGUFFacts]) -> list[Planned]:
     first = own_name("static-decode", forms[0], forms)
     out = []
     for kind in config.systems:
-        if kind in OWN_MODEL:
+        if kind == "static-decode":
+            for f in forms:
+                base = own_name(kind, f, forms)
+                out += [Planned(kind, system_name(base, r), base if FORMS[r].greedy else "", form=f, request=r)
+                        for r in config.requests]
+        elif kind in OWN_MODEL:
             out += [Planned(kind, own_name(kind, f, forms), own_name("static-decode", f, forms), form=f,
                             skip=CONCAT_FLOAT_ONLY if kind == "concat" and f != "none" else "") for f in forms]
         elif kind == "llama.cpp" and config.gguf:

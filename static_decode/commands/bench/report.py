@@ -22,6 +22,7 @@ ONE_CALL = "sdpa_folded"  # attention rows written before "impl" was recorded ar
 CLEARLY_BELOW = 1.2  # full-read / static-decode at max_len/16 counts as "clearly below" from here
 ATTENTION_SLACK = 1.25  # attention(bucket) / attention(max_len) within this factor of bucket / max_len
 LONG_CONTEXT_SLACK = 1.25  # ms(context) / ms(shortest) within this factor of the bytes ratio
+REQUEST_SLACK = 1.1  # a request form (logprobs, a sampler, a grammar) costs at most 10% per token
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int8": 1}
 
 
@@ -107,6 +108,18 @@ def checks(doc: dict[str, Any]) -> dict[str, Any]:
     if checks:
         out["attention_bucket_over_max_len"] = {"expect": f"within {ATTENTION_SLACK}x of bucket/max_len",
                                                 "checks": checks, "met": all(c["met"] for c in checks)}
+    forms = []  # each request form's ms/token over plain greedy's, same weights and context
+    for e in doc.get("systems", []):
+        if "request" in e:
+            plain = e["system"].removesuffix(f" {e['request']}")
+            for c in contexts:
+                ms, ref = _ms(doc, e["system"], c), _ms(doc, plain, c)
+                if ms and ref:
+                    forms.append({"system": e["system"], "over": plain, "context": c, "ratio": round(ms / ref, 3),
+                                  "met": ms / ref <= REQUEST_SLACK})
+    if forms:
+        out["request_forms_over_greedy"] = {"expect": f"ms/token within {REQUEST_SLACK}x of plain greedy's",
+                                            "by_context": forms, "met": all(f["met"] for f in forms)}
     model = doc.get("model", {})
     first = min(contexts)
     base = _ms(doc, "static-decode", first)

@@ -28,6 +28,7 @@ from static_decode.commands.bench.lineup import load_forms, plan, read_gguf, wei
 from static_decode.commands.bench.machine import READ_BYTES, machine, read_bandwidth
 from static_decode.commands.bench.peer import PeerFailed, amx_hint
 from static_decode.commands.bench.report import bound, checks, relative
+from static_decode.commands.bench.requests import FORMS, describe
 from static_decode.commands.bench.systems import TP_SYSTEMS, System, build, load_profiles_module
 from static_decode.commands.bench.timing import IdleGate, Timing, time_interleaved
 from static_decode.core.attention import IMPLS
@@ -100,11 +101,13 @@ def run(config: BenchConfig) -> dict[str, Any]:
                         system, why = build(p.kind, own, path=path, max_len=config.max_len, settings=config.settings,
                                             transformers_compile=config.transformers_compile,
                                             gguf=p.gguf.path if p.gguf else None, threads=threads,
-                                            peer_timeout=config.peer_timeout)
+                                            peer_timeout=config.peer_timeout, request=FORMS[p.request])
                 except PeerFailed as e:
                     system, why = None, ""
                     failures[p.name] = (f"{e.what} (setup)", e.detail, e.system_info)
             entry = {"system": p.name, "setup_s": round(time.perf_counter() - t0, 2)}
+            if p.request != "greedy":
+                entry |= {"request": p.request, "request_fields": describe(FORMS[p.request])}
             if system is not None:
                 entry |= {"mode": system.mode, **weights(p, system, own)}
             elif p.name in failures:
@@ -139,7 +142,8 @@ def run(config: BenchConfig) -> dict[str, Any]:
         for L, timings in by_context.items():
             for s in systems:
                 ref = references[s.name]
-                rows.append(_row(s, timings[s.name], L, config.max_len, timings.get(ref)) | {"compared_with": ref})
+                row = _row(s, timings[s.name], L, config.max_len, timings.get(ref))
+                rows.append(row | {"compared_with": ref or None})  # "": a request form that is not greedy
         if config.profile is not None and systems:
             _profile(systems[0], prompt[: config.contexts[0]], config.profile)
             doc["notes"].append(f"torch.profiler trace of {PROFILE_STEPS} {systems[0].name} decode steps at "

@@ -1,4 +1,5 @@
-"""The decode systems `static-decode bench` times side by side, all greedy, on the same weights.
+"""The decode systems `static-decode bench` times side by side on the same weights, greedy unless a request form
+(bench.requests) says otherwise.
 
 A system runs one request in two calls, so the harness can time prefill and decode apart with the same wall
 clock for every system:
@@ -30,9 +31,12 @@ from static_decode.checkpoints.gguf import is_gguf
 from static_decode.checkpoints.quant_io import stored_quantization
 from static_decode.commands.bench import baselines
 from static_decode.commands.bench.peer import PeerFailed, PeerProcess, has_amx
+from static_decode.commands.bench.requests import FORMS, LOGPROBS, RequestForm, describe, sampling
 from static_decode.generation.generator import Generator
+from static_decode.generation.request import SamplingParams
+from static_decode.generation.structured import DEFAULT_GRAMMAR_TABLES
 from static_decode.model.llama import Llama
-from static_decode.steps.functions import GREEDY_KINDS
+from static_decode.steps.functions import GREEDY_KINDS, SAMPLED_KINDS
 from static_decode.steps.speculation import PromptLookup
 from static_decode.steps.verify import speculative_kinds
 
@@ -65,31 +69,46 @@ def load_profiles_module(name: str) -> ModuleType | None:
 class GeneratorSystem:
     """static-decode, static-decode-eager and full-read: one Generator, reused across requests."""
 
-    def __init__(self, name: str, model: Llama, max_len: int, settings: Any = None) -> None:
+    def __init__(
+        self, name: str, model: Llama, max_len: int, settings: Any = None, request: RequestForm | None = None,
+        path: Path | None = None,
+    ) -> None:
         self.name = name
+        request = request or FORMS["greedy"]
+        self.sampling = SamplingParams(stop_at_eos=False)
         if name == "static-decode-eager":
             self.gen = Generator(model, max_len=max_len, batch=1)
             self.mode = "eager, reads the live length"
             return
         spec = PromptLookup() if name == "static-decode-lookup" else None
-        kinds = GREEDY_KINDS if spec is None else (*GREEDY_KINDS, *speculative_kinds(spec, greedy=True))
+        kinds = SAMPLED_KINDS if request.sampled else GREEDY_KINDS
         if spec is not None:
+            kinds = (*kinds, *speculative_kinds(spec, greedy=True))
             max_len += spec.tokens  # the last verify step writes its drafts past the longest request
         ladder = BucketLadder.of([max_len], max_len) if name == "full-read" else None  # None: the runner's default
         opts = CaptureOptions(buckets=ladder, settings=settings, kinds=kinds, progress=False)
-        self.gen = Generator(model, max_len=max_len, batch=1, compile=True, capture=opts, speculate=spec)
+        extra = {"max_logprobs": LOGPROBS} if "logprobs" in request.options else {}
+        if request.grammar:
+            extra["grammar_tables"] = DEFAULT_GRAMMAR_TABLES
+            self.sampling = sampling(request, path, model.config.vocab_size)
+        elif request.name != "greedy":
+            self.sampling = sampling(request, path, model.config.vocab_size)
+        self.gen = Generator(model, max_len=max_len, batch=1, compile=True, capture=opts, speculate=spec, **extra)
         rungs = ",".join(map(str, self.gen.runner.ladder.lengths))
         self.mode = f"compiled ({self.gen.runner.settings.describe()}), reads rungs [{rungs}]"
         if spec is not None:
             self.mode += f", prompt lookup ({spec.tokens} drafts, {spec.ngram}-gram, adaptive)"
+        if request.name != "greedy":
+            self.mode += f", requests {request.name} ({describe(request)})"
         self._stream = None
 
     def start(self, prompt: list[int], new_tokens: int) -> None:
-        self._stream = self.gen.stream(prompt, new_tokens, stop_at_eos=False)
+        self._stream = self.gen.stream(prompt, new_tokens, self.sampling)
         self._first = next(self._stream)  # returns once token 0 is back on the host
 
     def finish(self) -> list[int]:
-        return [self._first, *self._stream]
+        # a logprobs request yields TokenLogprob records; the bench compares token ids
+        return [getattr(t, "token", t) for t in (self._first, *self._stream)]
 
     def read_len(self, length: int) -> int:
         """The read length of a step whose longest row holds `length` tokens."""
@@ -249,12 +268,13 @@ class LlamaCppSystem:
 
 def build(
     name: str, model: Llama, *, path: Path, max_len: int, settings: Any = None, transformers_compile: bool = True,
-    gguf: Path | None = None, threads: int = 1, peer_timeout: float = 600.0,
+    gguf: Path | None = None, threads: int = 1, peer_timeout: float = 600.0, request: RequestForm | None = None,
 ) -> tuple[System | None, str]:
     """The system called `name`, or (None, why it is skipped). `gguf`, `threads` and `peer_timeout` (its worker's
-    bounded wait per call): the llama.cpp system's; its PeerFailed goes up to the bench."""
+    bounded wait per call): the llama.cpp system's; its PeerFailed goes up to the bench. `request`: the request
+    form a static-decode system times (default greedy)."""
     if name in ("static-decode", "static-decode-lookup", "static-decode-eager", "full-read"):
-        return GeneratorSystem(name, model, max_len, settings), ""
+        return GeneratorSystem(name, model, max_len, settings, request, path), ""
     if name == "concat":
         return ConcatSystem(baselines, model), ""
     if name == "transformers":
