@@ -96,10 +96,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {text_path.name} has {len(ids)} tokens, fewer than --tokens {args.tokens}", file=sys.stderr)
     t0 = time.perf_counter()
     model = load_model(path, dtype=args.dtype, device=device, quantize=args.quantize)  # or a saved quantized one
+    model.kv_dtype = args.kv_dtype  # None: the model's dtype
     load_s = time.perf_counter() - t0
     result = perplexity(model, ids, args.chunk, progress=not args.quiet)
     scheme = scheme_of(model)
     what = f"{str(model.dtype).removeprefix('torch.')}" + (f" {scheme.name}" if scheme else "")
+    what += f", {str(model.kv_dtype).removeprefix('torch.')} cache" if model.kv_dtype != model.dtype else ""
     print(f"perplexity {result.perplexity:.4f} ({what}; {result.tokens} tokens of {text_path.name} in chunks of "
           f"{args.chunk}; {result.tokens_per_s:.0f} tokens/s; loaded in {load_s:.1f} s)")
     return 0
@@ -117,6 +119,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="score the first N tokens of the text")
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="tokens per prefill chunk")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float16", "int8"),
+                   help="the K/V cache's dtype (default: the model's); every chunk attends through the cache")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     add_threads_argument(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

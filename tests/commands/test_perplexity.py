@@ -4,8 +4,8 @@ Pins:
 * perplexity through chunks (the cache and offset mask on the path) equals exp(cross-entropy) of one whole-sequence
   forward computed independently, for chunk sizes that do and do not divide the length;
 * the shipped default text is in the package and long enough (>= 1,024 tokens of the embedded byte tokenizer);
-* the command prints one line with the perplexity (float and --quantize int8 / int4), and refuses bad options in
-  one line naming them.
+* the command prints one line with the perplexity (float and --quantize int8 / int4, and with --kv-dtype int8 the
+  int8 cache's), and refuses bad options in one line naming them.
 """
 
 from __future__ import annotations
@@ -66,6 +66,22 @@ def test_command_prints_the_perplexity(capsys, quantize):
     assert (quantize or "float32") in out
     value = float(out.split()[1])
     assert 1.0 < value < 256.0  # a byte model: better than uniform over its 256 tokens
+
+
+def test_kv_dtype_reaches_the_cache_every_chunk_attends_through(capsys, model, ids):
+    """--kv-dtype int8: the printed perplexity is the function's on a model with an int8 cache, which differs from
+    the float cache's (the codes round K and V) but only slightly."""
+    assert cli.main(["perplexity", "--tokens", "64", "--chunk", "16", "-q", "--kv-dtype", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "float32, int8 cache;" in out
+    float_cache = perplexity(model, ids[:64], 16).perplexity
+    model.kv_dtype = "int8"
+    try:
+        int8_cache = perplexity(model, ids[:64], 16).perplexity
+    finally:
+        model.kv_dtype = None
+    assert float(out.split()[1]) == pytest.approx(int8_cache, abs=1e-4)
+    assert int8_cache != float_cache and int8_cache == pytest.approx(float_cache, rel=0.02)
 
 
 @pytest.mark.parametrize(
