@@ -9,6 +9,8 @@ counted tokens are device tensors, so nothing is read back. The orders and defin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -98,37 +100,72 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _kept_sorted(
+BITS_ABOVE_INF = 0x7F800001  # one past +inf's float32 bit pattern: every order key is below it
+SEARCH_STEPS = 31  # halvings of [0, BITS_ABOVE_INF): the search ends at one bit pattern
+
+
+def _order_keys(scaled: torch.Tensor) -> torch.Tensor:
+    """[B, V] int32 keys that sort the scaled logits (all <= 0, -inf where cut) best first: the bit pattern of
+    |scaled| (= -scaled, but +0 for the best token's 0, whose negation -0 has the sign bit set), which for float32
+    values >= 0 (+inf included) orders as the values do."""
+    return scaled.abs().view(torch.int32)
+
+
+def _largest_key(ok: Callable[[torch.Tensor], torch.Tensor], rows: int, device: torch.device) -> torch.Tensor:
+    """[B] int32: per row the largest key b in [0, BITS_ABOVE_INF) with ok(b) true, for ok([B] int32) -> [B] bool
+    true at 0 and monotone (true up to some key, false past it): a fixed-length bisection, no sort and no host
+    read, exact because it halves the integer range of the keys."""
+    lo = torch.zeros(rows, dtype=torch.int32, device=device)  # ok(lo) holds
+    hi = torch.full((rows,), BITS_ABOVE_INF, dtype=torch.int32, device=device)  # ok(hi) fails (or is past the end)
+    for _ in range(SEARCH_STEPS):
+        mid = lo + (hi - lo) // 2  # [B]
+        good = ok(mid)  # [B]
+        # stored: else each step's kernel would recompute every earlier step's bounds for every vector it reads
+        lo, hi = _stored(torch.where(good, mid, lo)), _stored(torch.where(good, hi, mid))
+    return lo
+
+
+def _kept(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The filter both `sample` and `probabilities` apply, in the module's order (temperature, min-p, top-k,
-    top-p): the scaled logits sorted descending with the tokens below min-p, past top-k and past top-p at -inf
-    [B, V], the sort order [B, V], and which rows sample (temperature > 0) [B]. min_p None: off."""
-    V = logits.shape[-1]
+    top-p): the scaled logits in vocabulary order with the tokens below min-p, past top-k and past top-p at -inf
+    [B, V], and which rows sample (temperature > 0) [B]. min_p None: off.
+
+    No sort: top-k keeps the tokens whose order key is at most the k-th smallest, top-p those whose more probable
+    tokens hold less than top_p of the mass, each threshold found by `_largest_key`. Tokens tied at a threshold
+    are kept together (a sort would keep some of them by position)."""
     logits = logits.to(torch.float32)
+    B = logits.shape[0]
     hot = temperature > 0  # [B]
     # The row's best logit subtracted first: a tiny temperature sends the others to -inf, never past float32's
     # range to inf - inf = NaN, so T -> 0 gives exactly its limit, the argmax (ties drawn evenly).
     top = logits.amax(dim=-1, keepdim=True)  # [B, 1]
-    scaled = (logits - top) / torch.where(hot, temperature, 1.0)[:, None]  # [B, V], <= 0
-    ordered, order = scaled.sort(dim=-1, descending=True)  # [B, V] each; sorted once per step
+    scaled = (logits - top) / torch.where(hot, temperature, 1.0)[:, None]  # [B, V], <= 0, the best at 0
     if min_p is not None:
-        # vLLM's min-p: probability below min_p times the top token's (the first, sorted) after temperature.
-        full = ordered.softmax(dim=-1)  # [B, V]
-        ordered = ordered.masked_fill(full < min_p[:, None] * full[:, :1], -torch.inf)  # the top one always stays
-    rank = torch.arange(V, device=logits.device)  # [V]
-    cut_k = (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])  # [B, V] past the k best
-    ordered = ordered.masked_fill(cut_k, -torch.inf)
-    probs = ordered.softmax(dim=-1)  # [B, V]
-    # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it already does.
-    # The best token is never dropped (mass before it is 0 < top_p).
-    before = probs.cumsum(dim=-1) - probs  # [B, V]
-    cut_p = (top_p[:, None] < 1) & (before >= top_p[:, None])  # [B, V]
-    return ordered.masked_fill(cut_p, -torch.inf), order, hot
+        # vLLM's min-p: probability below min_p times the top token's after temperature (the best has p / top = 1,
+        # so it always stays).
+        scaled = scaled.masked_fill(scaled.exp() < min_p[:, None], -torch.inf)  # p / p_top = exp(scaled)
+    # every search step reads the keys and probabilities: stored once, not recomputed in each step's kernel
+    keys = _stored(_order_keys(scaled))  # [B, V]
+    k = top_k.to(torch.int64)[:, None]  # [B, 1]
+    # the k-th best key: the smallest key b with at least k tokens at or before it, i.e. one past the largest b
+    # with fewer than k before it
+    # (counted in int32: V < 2**31, and inductor's int32 sum vectorizes where an int64 one is ~2x slower)
+    below_k = _largest_key(lambda b: (keys < b[:, None]).sum(dim=-1, dtype=torch.int32) < k[:, 0], B,
+                           logits.device)  # [B]
+    scaled = _stored(scaled.masked_fill((k > 0) & (keys > below_k[:, None]), -torch.inf))  # [B, V]
+    keys = _stored(_order_keys(scaled))  # [B, V]
+    probs = _stored(scaled.softmax(dim=-1))  # [B, V]
+    # Keep a token while the tokens strictly more probable than it hold less than top_p of the mass. The best
+    # token is never dropped (mass before it is 0 < top_p).
+    p = top_p[:, None]  # [B, 1]
+    last = _largest_key(lambda b: (probs * (keys < b[:, None])).sum(dim=-1) < p[:, 0], B, logits.device)  # [B]
+    return scaled.masked_fill((p < 1) & (keys > last[:, None]), -torch.inf), hot
 
 
 def sample(
@@ -145,11 +182,10 @@ def sample(
 
     Fixed shapes, no host reads. Rows with temperature 0 take the argmax.
     """
-    ordered, order, hot = _kept_sorted(logits, temperature, top_k, top_p, min_p)  # [B, V], [B, V], [B]
-    noise = uniform(seed, step, logits.shape[-1]).gather(1, order)  # [B, V] the draw of each sorted token's id
-    score = ordered - torch.log(-torch.log(noise))  # logits/T - log E, E = -log U ~ Exp(1)
-    picked = order.gather(1, score.argmax(dim=-1, keepdim=True)).squeeze(1)  # [B]
-    return torch.where(hot, picked, greedy(logits))
+    kept, hot = _kept(logits, temperature, top_k, top_p, min_p)  # [B, V], [B]
+    noise = uniform(seed, step, logits.shape[-1])  # [B, V] the draw of each token id
+    score = kept - torch.log(-torch.log(noise))  # logits/T - log E, E = -log U ~ Exp(1)
+    return torch.where(hot, score.argmax(dim=-1), greedy(logits))
 
 
 def probabilities(
@@ -163,10 +199,9 @@ def probabilities(
     renormalised), in vocabulary order. Rows with temperature 0 get the one-hot of their argmax (what `sample`
     returns there). Speculative sampling needs the distribution itself, not a draw: it accepts a draft token with
     probability p(token) / q(token) and otherwise draws from the residual max(0, p - q)."""
-    ordered, order, hot = _kept_sorted(logits, temperature, top_k, top_p, min_p)  # [B, V], [B, V], [B]
-    kept = torch.empty_like(ordered).scatter_(1, order, ordered.softmax(dim=-1))  # [B, V] back in id order
+    kept, hot = _kept(logits, temperature, top_k, top_p, min_p)  # [B, V], [B]
     onehot = F.one_hot(greedy(logits), logits.shape[-1]).to(torch.float32)  # [B, V]
-    return torch.where(hot[:, None], kept, onehot)
+    return torch.where(hot[:, None], kept.softmax(dim=-1), onehot)
 
 
 def draw(probs: torch.Tensor, seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
