@@ -15,7 +15,7 @@ from typing import Any
 
 from static_decode.checkpoints.loading import load_tokenizer
 from static_decode.generation.request import SamplingParams
-from static_decode.generation.structured import Grammar
+from static_decode.generation.structured import DEFAULT_GRAMMAR_TABLES, Grammar
 
 LOGPROBS = 5  # the alternatives a logprobs request asks for
 # A schema whose shortest valid text is longer than any bench request (a title of at least 600 characters first),
@@ -81,6 +81,14 @@ def sampling(form: RequestForm, path: Path, vocab: int) -> SamplingParams:
             raise ValueError(f"--requests json-schema needs a tokenizer; {path} has none")
         options["grammar"] = Grammar.json_schema(SCHEMA, tokenizer, vocab_size=vocab)
     return SamplingParams(stop_at_eos=False, **options)
+
+
+def generator_options(form: RequestForm) -> dict[str, Any]:
+    """What the form's Generator needs beyond plain decode: logprob buffers, or the grammar's device tables."""
+    options: dict[str, Any] = {"max_logprobs": LOGPROBS} if "logprobs" in form.options else {}
+    if form.grammar:
+        options["grammar_tables"] = DEFAULT_GRAMMAR_TABLES
+    return options
 
 
 def describe(form: RequestForm) -> str:

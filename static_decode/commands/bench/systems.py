@@ -31,10 +31,9 @@ from static_decode.checkpoints.gguf import is_gguf
 from static_decode.checkpoints.quant_io import stored_quantization
 from static_decode.commands.bench import baselines
 from static_decode.commands.bench.peer import PeerFailed, PeerProcess, has_amx
-from static_decode.commands.bench.requests import FORMS, LOGPROBS, RequestForm, describe, sampling
+from static_decode.commands.bench.requests import FORMS, RequestForm, describe, generator_options, sampling
 from static_decode.generation.generator import Generator
 from static_decode.generation.request import SamplingParams
-from static_decode.generation.structured import DEFAULT_GRAMMAR_TABLES
 from static_decode.model.llama import Llama
 from static_decode.steps.functions import GREEDY_KINDS, SAMPLED_KINDS
 from static_decode.steps.speculation import PromptLookup
@@ -87,13 +86,10 @@ class GeneratorSystem:
             max_len += spec.tokens  # the last verify step writes its drafts past the longest request
         ladder = BucketLadder.of([max_len], max_len) if name == "full-read" else None  # None: the runner's default
         opts = CaptureOptions(buckets=ladder, settings=settings, kinds=kinds, progress=False)
-        extra = {"max_logprobs": LOGPROBS} if "logprobs" in request.options else {}
-        if request.grammar:
-            extra["grammar_tables"] = DEFAULT_GRAMMAR_TABLES
+        if request.name != "greedy":
             self.sampling = sampling(request, path, model.config.vocab_size)
-        elif request.name != "greedy":
-            self.sampling = sampling(request, path, model.config.vocab_size)
-        self.gen = Generator(model, max_len=max_len, batch=1, compile=True, capture=opts, speculate=spec, **extra)
+        self.gen = Generator(model, max_len=max_len, batch=1, compile=True, capture=opts, speculate=spec,
+                             **generator_options(request))
         rungs = ",".join(map(str, self.gen.runner.ladder.lengths))
         self.mode = f"compiled ({self.gen.runner.settings.describe()}), reads rungs [{rungs}]"
         if spec is not None:
