@@ -323,33 +323,19 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="also time torch.compile(grouped_attention); with --gemms, add compiled reduction forms",
-    )
+    parser.add_argument("--compile", action="store_true",
+                        help="also time torch.compile(grouped_attention); with --gemms, add compiled reduction forms")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--heads", default=f"{HQ},{HKV},{HEAD_DIM}",
                         help="query heads, KV heads, head dim (default Llama-3.1-8B's; SmolLM2-135M: 9,3,64)")
-    parser.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="before each timed call wait up to S seconds for the CPUs to be >= 90%% idle (shared machines)",
-    )
+    parser.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
+                        help="before each timed call wait up to S seconds for the CPUs to be >= 90%% idle (shared)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--json", metavar="PATH", help="write {machine, read_bandwidth_gbps, attention: rows}")
-    parser.add_argument(
-        "--gemms", action="store_true", help="instead of timing attention: GB/s of the decode GEMMs vs sum"
-    )
+    parser.add_argument("--gemms", action="store_true", help="instead of timing attention: the decode GEMMs' GB/s")
     parser.add_argument("--warm", action="store_true", help="with --gemms: no cache flush (in-cache kernel rate)")
-    parser.add_argument(
-        "--trace",
-        metavar="PREFIX",
-        help="instead of timing: profile one call per impl at the first length, write PREFIX-<impl>.json "
-        "(Chrome trace) and report any K/V-sized copy",
-    )
+    parser.add_argument("--trace", metavar="PREFIX", help="instead of timing: profile one call per impl at the "
+                        "first length, write PREFIX-<impl>.json (Chrome trace) and report any K/V-sized copy")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -374,28 +360,17 @@ def main() -> None:
     if args.gemms:
         for length in lengths:
             rates = gemm_rates(length, args.repeats, warm=args.warm, reductions=args.compile)
-            print(
-                f"L={length} threads={torch.get_num_threads()}: "
-                + ", ".join(f"{n} {g:.1f} GB/s" for n, g in rates.items())
-            )
+            print(f"L={length} threads={torch.get_num_threads()}: "
+                  + ", ".join(f"{n} {g:.1f} GB/s" for n, g in rates.items()))
         return
     info = machine()
     bw = read_bandwidth(device=args.device)
     print(f"# {info}\n# read bandwidth {bw:.1f} GB/s", flush=True)
     rows = []
     for compiled in (False, True) if args.compile else (False,):
-        rows += attention_rows(
-            lengths,
-            impls,
-            slots=args.chunk,
-            cached=args.cached,
-            dtype=dtype,
-            device=args.device,
-            repeats=args.repeats,
-            compiled=compiled,
-            bandwidth_gbps=bw,
-            progress=lambda s: print(f"# {s}", flush=True),
-        )
+        rows += attention_rows(lengths, impls, slots=args.chunk, cached=args.cached, dtype=dtype, device=args.device,
+                               repeats=args.repeats, compiled=compiled, bandwidth_gbps=bw,
+                               progress=lambda s: print(f"# {s}", flush=True))
     if not args.markdown:
         for r in rows:
             print(r, flush=True)

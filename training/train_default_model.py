@@ -32,131 +32,29 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import os
-import platform
 import shlex
 import sys
-import sysconfig
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-import tokenizers
 import torch
 import torch.nn.functional as F
-import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from corpus import (
+    EOS_ID,
+    PROMPTS,
+    VOCAB_SIZE,
+    Corpus,
+    build_byte_tokenizer,
+    build_corpus,
+    check_byte_tokenizer,
+)
+from report import folder_size, write_training_md
+from settings import TrainArgs, TrainResult
+from tokenizers import Tokenizer
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-EOS_ID = 0
-VOCAB_SIZE = 256
-EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
-HOLDOUT_EVERY = 50
-PROMPTS = ("def ", "import ", "class ")
-
-
-# --------------------------------------------------------------------------------------------- corpus
-
-
-@dataclass
-class Corpus:
-    """Byte streams for training and evaluation, each file followed by one NUL (EOS) byte."""
-
-    root: str
-    train: bytes
-    heldout: bytes
-    train_files: list[str] = field(default_factory=list)
-    heldout_files: list[str] = field(default_factory=list)
-    skipped_files: list[str] = field(default_factory=list)
-
-    @property
-    def sha256(self) -> str:
-        h = hashlib.sha256()
-        h.update(self.train)
-        h.update(self.heldout)
-        return h.hexdigest()
-
-
-def stdlib_py_files(root: Path) -> list[Path]:
-    """The standard library's ``.py`` files under ``root``, in a deterministic order, minus excluded dirs."""
-    files = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if any(part in EXCLUDED_DIRS for part in rel.parts[:-1]) or not path.is_file():
-            continue
-        files.append(path)
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def build_corpus(root: Path | None = None) -> Corpus:
-    """Read the stdlib sources; every ``HOLDOUT_EVERY``-th file goes to the held-out stream."""
-    root = Path(root or sysconfig.get_paths()["stdlib"]).resolve()
-    train, heldout = bytearray(), bytearray()
-    corpus = Corpus(root=str(root), train=b"", heldout=b"")
-    for i, path in enumerate(stdlib_py_files(root)):
-        rel = path.relative_to(root).as_posix()
-        data = path.read_bytes()
-        if EOS_ID in data:  # NUL is the file separator; never let it appear inside a file.
-            corpus.skipped_files.append(rel)
-            continue
-        if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1:
-            heldout += data + bytes([EOS_ID])
-            corpus.heldout_files.append(rel)
-        else:
-            train += data + bytes([EOS_ID])
-            corpus.train_files.append(rel)
-    corpus.train, corpus.heldout = bytes(train), bytes(heldout)
-    return corpus
-
-
-# ------------------------------------------------------------------------------------------ tokenizer
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode character table, as used by ``ByteLevel``."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    chars = printable[:]
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
-
-
-def build_byte_tokenizer() -> Tokenizer:
-    """A ``tokenizers`` tokenizer mapping each byte 0..255 to the token id equal to its value.
-
-    ByteLevel pre-tokenization (no regex split, no prefix space) turns the UTF-8 bytes of the text into
-    the 256 byte-level symbols; a merge-free BPE model whose vocab lists those symbols in byte order then
-    maps each symbol to its byte value; the ByteLevel decoder maps ids back to bytes and UTF-8 text.
-    """
-    table = bytes_to_unicode()
-    vocab = {table[b]: b for b in range(256)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
-
-
-def check_byte_tokenizer(tok: Tokenizer) -> None:
-    """Fail loudly unless ids equal the UTF-8 bytes and decoding round-trips."""
-    samples = [
-        "def f(x):\n",
-        "    return x  # ünïcødé → ✓ 日本\n",
-        "\t\r\n \x01\x7f",
-        "".join(map(chr, range(1, 128))),
-    ]
-    for text in samples:
-        ids = tok.encode(text).ids
-        assert ids == list(text.encode("utf-8")), (text, ids)
-        assert tok.decode(ids) == text, (text, tok.decode(ids))
-    assert tok.get_vocab_size() == VOCAB_SIZE
-    assert tok.encode("\x00").ids == [EOS_ID]
-
 
 # -------------------------------------------------------------------------------------------- model
 
@@ -185,23 +83,6 @@ def model_config() -> LlamaConfig:
 
 
 # ----------------------------------------------------------------------------------------- training
-
-
-@dataclass
-class TrainArgs:
-    out: str
-    steps: int | None
-    minutes: float
-    seed: int
-    batch_size: int
-    seq_len: int
-    lr: float
-    min_lr_ratio: float
-    warmup: int
-    weight_decay: float
-    grad_clip: float
-    log_every: int
-    eval_every: int
 
 
 def lr_at(step: int, total: int, args: TrainArgs) -> float:
@@ -239,16 +120,6 @@ def eval_loss(model: LlamaForCausalLM, data: torch.Tensor, seq_len: int, max_win
         count += windows.shape[0]
     model.train(was_training)
     return total / count
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    train_seconds: float
-    final_train_loss_running: float
-    final_train_loss_eval: float
-    final_heldout_loss: float
-    log: list[tuple[int, float, float, float | None]] = field(default_factory=list)
 
 
 def train(model: LlamaForCausalLM, corpus: Corpus, args: TrainArgs) -> TrainResult:
@@ -342,146 +213,6 @@ def generate_samples(out: Path, seed: int, max_new_tokens: int = 200) -> list[tu
                 gen = gen[: gen.index(EOS_ID)]
             samples.append((prompt, mode, prompt + tok.decode(gen) + ("<EOS>" if eos else "")))
     return samples
-
-
-# ---------------------------------------------------------------------------------------- reporting
-
-
-def folder_size(out: Path) -> int:
-    return sum(p.stat().st_size for p in out.iterdir() if p.is_file() and p.suffix != ".py")
-
-
-def write_training_md(
-    out: Path,
-    corpus: Corpus,
-    config: LlamaConfig,
-    n_params: int,
-    args: TrainArgs,
-    result: TrainResult,
-    samples: list[tuple[str, str, str]],
-    command: str,
-) -> None:
-    bpb = 1 / math.log(2)
-    lines = [
-        "# static-decode default model",
-        "",
-        "A tiny byte-level `LlamaForCausalLM` trained on the Python standard library's source, shipped as",
-        "package data so that static-decode has a self-contained checkpoint to decode with. It writes",
-        "Python-looking code; it is a test and demo fixture, not a useful language model.",
-        "Produced by `training/train_default_model.py` (outside the package).",
-        "",
-        "## Files",
-        "",
-        "- `config.json`, `generation_config.json`, `model.safetensors`: written by transformers'",
-        "  `save_pretrained(..., safe_serialization=True)`; float32 weights, tied embeddings (the",
-        "  safetensors file holds `model.embed_tokens.weight` only, `lm_head` reuses it).",
-        "- `tokenizer.json`: `tokenizers` byte-level tokenizer, token id = byte value (0..255), no merges;",
-        "  decodes ids back to UTF-8 text. Byte 0 (NUL) is EOS and separates files in the corpus.",
-        "- `training/train_default_model.py`: the training script (kept outside the importable package).",
-        "",
-        "## Corpus",
-        "",
-        f"- Source: the `.py` files of the Python {platform.python_version()} standard library at",
-        f"  `{corpus.root}`, read as raw bytes in sorted POSIX relative-path order.",
-        f"- Excluded folders: {', '.join(f'`{d}`' for d in sorted(EXCLUDED_DIRS))}.",
-        "- License: the Python source is distributed under the PSF License Agreement (Python Software",
-        "  Foundation License Version 2), which permits use, modification and distribution of derived works;",
-        "  see https://docs.python.org/3/license.html. Copyright (c) 2001 Python Software Foundation; All",
-        "  Rights Reserved.",
-        "- Each file is followed by one NUL byte (token 0 = EOS), so the model learns to end a file.",
-        f"- Held out: every {HOLDOUT_EVERY}th file ({len(corpus.heldout_files)} files, "
-        f"{len(corpus.heldout):,} bytes incl. separators).",
-        f"- Train: {len(corpus.train_files)} files, {len(corpus.train):,} bytes incl. separators; total "
-        f"{len(corpus.train) + len(corpus.heldout):,} bytes; sha256 of train+held-out streams "
-        f"`{corpus.sha256}`.",
-        f"- Files skipped because they contain a NUL byte: {len(corpus.skipped_files)}"
-        + (f" ({', '.join(corpus.skipped_files)})" if corpus.skipped_files else "")
-        + ".",
-        "",
-        "## Model",
-        "",
-        "| field | value |",
-        "|---|---|",
-    ]
-    for key in (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "hidden_act",
-        "max_position_embeddings",
-        "rms_norm_eps",
-        "tie_word_embeddings",
-        "bos_token_id",
-        "eos_token_id",
-    ):
-        lines.append(f"| `{key}` | `{getattr(config, key)}` |")
-    lines += [
-        f"| rope | `{config.rope_parameters}` |",
-        f"| parameters | {n_params:,} ({n_params * 4 / 1e6:.2f} MB as float32) |",
-        "",
-        "Grouped-query attention: 4 query heads share 2 KV heads (G = 2).",
-        "",
-        "## Training",
-        "",
-        f"Command (cwd = repository root):\n\n    {command}\n",
-        f"To reproduce this exact run: `--steps {result.steps}` with the same other flags (with `--minutes`",
-        "the step count is fixed from the step time measured during warmup, so it depends on the machine).",
-        "",
-        "| hyperparameter | value |",
-        "|---|---|",
-        f"| steps | {result.steps} |",
-        f"| batch | {args.batch_size} windows x {args.seq_len} bytes = {args.batch_size * args.seq_len} tokens/step |",
-        f"| tokens seen | {result.steps * args.batch_size * args.seq_len:,} |",
-        "| optimizer | AdamW, betas (0.9, 0.95), eps 1e-8 |",
-        f"| learning rate | peak {args.lr}, linear warmup {args.warmup} steps, cosine to "
-        f"{args.lr * args.min_lr_ratio:.1e} |",
-        f"| weight decay | {args.weight_decay} (matrices and embedding only) |",
-        f"| grad clip | {args.grad_clip} |",
-        f"| seed | {args.seed} |",
-        "| precision | float32, CPU, `torch.set_num_threads(1)` |",
-        "",
-        "## Results",
-        "",
-        f"- Wall time of the training loop: {result.train_seconds:.0f} s ({result.train_seconds / 60:.1f} min).",
-        f"- Final train loss (mean of last 50 steps): {result.final_train_loss_running:.4f} nats/byte.",
-        f"- Final train loss (1024 evenly spaced {args.seq_len}-byte train windows): "
-        f"{result.final_train_loss_eval:.4f} nats/byte ({result.final_train_loss_eval * bpb:.3f} bits/byte).",
-        f"- Held-out loss (all non-overlapping {args.seq_len}-byte windows of the held-out files): "
-        f"{result.final_heldout_loss:.4f} nats/byte ({result.final_heldout_loss * bpb:.3f} bits/byte).",
-        f"- Folder size (weights, configs, tokenizer, this file): {folder_size(out) / 1e6:.2f} MB.",
-        "",
-        "Loss curve (running mean of the last 50 train steps; held-out on 64 windows):",
-        "",
-        "| step | lr | train | held-out |",
-        "|---:|---:|---:|---:|",
-    ]
-    every = max(1, len(result.log) // 24)
-    shown = [row for i, row in enumerate(result.log) if i % every == 0 or i == len(result.log) - 1]
-    for step, lr, running, heldout in shown:
-        lines.append(f"| {step} | {lr:.2e} | {running:.4f} | {'' if heldout is None else f'{heldout:.4f}'} |")
-    lines += [
-        "",
-        "## Versions",
-        "",
-        f"- Python {platform.python_version()}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, tokenizers {tokenizers.__version__}, "
-        f"{platform.machine()} {platform.system()}.",
-        "",
-        "## Samples",
-        "",
-        "From the saved checkpoint via `LlamaForCausalLM.from_pretrained(...).generate(...)`, 200 new bytes",
-        "at most, stopping at EOS (shown as `<EOS>`). Sampled: temperature 0.8, top-p 0.95, "
-        f"`torch.manual_seed({args.seed})` before each call. Trailing whitespace on each line trimmed.",
-        "",
-    ]
-    for prompt, mode, text in samples:
-        body = "\n".join(line.rstrip() for line in text.rstrip("\n").splitlines())
-        lines += [f"### {mode}, prompt `{prompt!r}`", "", "````text", body, "````", ""]
-    (out / "TRAINING.md").write_text("\n".join(lines), encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------------- main
