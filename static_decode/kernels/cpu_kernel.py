@@ -91,6 +91,32 @@ def bf16_dot() -> bool:
 bf16_dot._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+def int8_dot() -> bool:
+    """Whether this CPU has AVX512-VNNI's int8 dot product: int8 weights then multiply a bfloat16 row's int8 codes
+    (csrc/gemv_quant.cpp, int8_dot_path; `row_codes8` states the quantization)."""
+    if "vnni" not in _facts:
+        _facts["vnni"] = capability() == "AVX512" and torch.cpu._is_vnni_supported()
+    return bool(_facts["vnni"])
+
+
+int8_dot._dynamo_marked_constant = True  # type: ignore[attr-defined]
+ROW_BLOCK8 = 32  # values per scale of a row's int8 codes (csrc/kernels.h, kRowBlock8)
+
+
+def row_codes8(x: torch.Tensor) -> torch.Tensor:
+    """The row [K] as int8 weights multiply it on the int8_dot path, in float64: per block of ROW_BLOCK8 values
+    d = max|x| / 127 and codes round(x / d) (to nearest even; 0 where d is 0), the values codes * d; a block with a
+    NaN or an infinity keeps its values (the products it enters are NaN)."""
+    xf = x.reshape(-1).float()
+    K = xf.numel()
+    pad = torch.nn.functional.pad(xf, (0, -K % ROW_BLOCK8)).view(-1, ROW_BLOCK8)  # [blocks, 32]
+    d = pad.abs().amax(1, keepdim=True) / 127  # [blocks, 1] float32, as the kernel divides
+    codes = torch.where(d > 0, torch.round(pad / d).clamp(-127, 127), torch.zeros_like(pad))
+    out = (codes.double() * d.double()).view(-1)[:K]
+    bad = ~pad.isfinite().all(1, keepdim=True).expand_as(pad).reshape(-1)[:K]
+    return torch.where(bad, xf.double(), out)
+
+
 def _flags() -> tuple[str, list[str]]:
     """The extension's name and compiler flags for this CPU."""
     cap = capability()
@@ -98,9 +124,10 @@ def _flags() -> tuple[str, list[str]]:
     # flag the pragma is dropped and the kernel runs on one thread (measured: 2x slower on 2 threads).
     flags = ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}", *_ISA_FLAGS.get(cap, [])]
     flags += ["-mavx512bf16"] if bf16_dot() else []  # gemv_bf16's instruction; without it the op refuses to run
+    flags += ["-mavx512vnni"] if int8_dot() else []  # the int8 products' dot product (int8_dot)
     headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     flags += [f"-DSTATIC_DECODE_HEADERS={headers}"]  # a changed header is a new build, as a changed source is
-    return f"static_decode_cpu_{cap.lower()}{'_bf16' if bf16_dot() else ''}", flags
+    return f"static_decode_cpu_{cap.lower()}{'_bf16' if bf16_dot() else ''}{'_vnni' if int8_dot() else ''}", flags
 
 
 def build_directory(

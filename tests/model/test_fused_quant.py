@@ -19,6 +19,7 @@ from static_decode.model import quant
 from static_decode.model.fused_decode import FusedLayers, projection_formats, unsupported
 from static_decode.model.quant import QuantWeight, Scheme
 from tests.model.test_fused_decode import CFG, cache_pair, decode_layers, random_model
+from tests.support.row_codes import row_codes
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernels did not build here")
 
@@ -43,12 +44,60 @@ def test_gemv_q_matches_float64_by_the_dequantized_weight(scheme, dtype, N, K):
     qw = QuantWeight((torch.randn(N, K) * torch.linspace(0.1, 2, K)).to(dtype), s)
     x = torch.randn(K).to(dtype)
     w = qw.dequantize(torch.float64)  # [N, K]
-    want = w @ x.double()  # [N]
+    xr = row_as_multiplied(x)  # [K] float64
+    want = w @ xr  # [N]
     got = torch.ops.static_decode_cpu.gemv_q(x, qw.qweight, qw.scales, s.group)
     assert got.shape == (N,) and got.dtype == dtype
     # The error bound scales with sum |w| |x| (cancellation); bfloat16: the output's rounding, 2^-8 relative.
-    bound = (w.abs() @ x.double().abs()) * 1e-5 + (want.abs() * 2**-8 if dtype == torch.bfloat16 else 0)
+    bound = (w.abs() @ xr.abs()) * 1e-5 + (want.abs() * 2**-8 if dtype == torch.bfloat16 else 0)
     assert ((got.double() - want).abs() <= bound).all()
+
+
+def row_as_multiplied(x: torch.Tensor) -> torch.Tensor:
+    """The row as the quantized products multiply it (float64): a bfloat16 row's int8 codes on a CPU with the int8
+    dot product (both weight forms' scales are bfloat16 in a bfloat16 model), else the row itself."""
+    if x.dtype == torch.bfloat16 and cpu_kernel.int8_dot():
+        return row_codes(x)
+    return x.double()
+
+
+def test_row_codes8_states_the_blocks():
+    """`row_codes8` against the blocks stated one by one (tests/support/row_codes.py): tails, a zero block, values
+    at half a code, a block with an infinity."""
+    torch.manual_seed(9)
+    for K in (32, 100, 576, 3):
+        x = (torch.randn(K) * torch.linspace(0.01, 3, K)).bfloat16()
+        assert torch.equal(cpu_kernel.row_codes8(x), row_codes(x)), K
+    z = torch.zeros(64, dtype=torch.bfloat16)
+    z[40] = 2.0
+    r = cpu_kernel.row_codes8(z)
+    assert r[:32].abs().sum() == 0 and abs(r[40].item() - 2.0) < 1e-6  # 127 codes of d = float32(2 / 127)
+    half = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5], dtype=torch.bfloat16)  # d = 1: ties to even
+    assert cpu_kernel.row_codes8(half).tolist() == [127.0, 0.0, 2.0, 2.0, -0.0, -2.0]
+    bad = torch.randn(64).bfloat16()
+    bad[33] = float("inf")
+    r = cpu_kernel.row_codes8(bad)
+    assert torch.equal(r[32:], bad[32:].double()) and torch.equal(r, row_codes(bad))
+
+
+@pytest.mark.skipif(not cpu_kernel.int8_dot(), reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_bfloat16_row_is_multiplied_as_int8_codes(scheme):
+    """On the int8 dot-product path the product is the weight times the row's codes, not the row: it matches the
+    codes' product closely, and differs from the plain row's by more than its own error."""
+    s = quant.parse(scheme)
+    torch.manual_seed(11)
+    qw = QuantWeight(torch.randn(64, 1536).bfloat16(), s)
+    x = torch.randn(1536) * 0.05
+    x[::32] = 10.0  # one large value a block: the small ones keep a code or two of the 127
+    x = x.bfloat16()
+    w = qw.dequantize(torch.float64)
+    got = torch.ops.static_decode_cpu.gemv_q(x, qw.qweight, qw.scales, s.group).double()
+    codes, plain = w @ row_codes(x), w @ x.double()
+    assert (got - codes).abs().mean() < 0.2 * (plain - codes).abs().mean()
+    inf = x.clone()
+    inf[700] = float("inf")
+    assert torch.ops.static_decode_cpu.gemv_q(inf, qw.qweight, qw.scales, s.group).isnan().all()
 
 
 def test_gemv_q_int8_tail_and_float16_row():

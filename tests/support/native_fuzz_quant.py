@@ -31,7 +31,9 @@ import torch
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
+from static_decode.kernels import cpu_kernel
 from static_decode.model import quant
+from tests.support.row_codes import row_codes
 
 OPS = torch.ops.static_decode_cpu
 GROUPS = (0, 32, 64, 128)  # 0: int8 per output channel; else int4's group along K
@@ -101,6 +103,14 @@ def reads_x_as_bf16(group: int, scale_dtype: torch.dtype) -> bool:
     """Whether the kernel rounds the row to bfloat16 first: never any more (int4's bfloat16 path takes only a
     bfloat16 row, csrc/gemv_quant.cpp's int4_bf16_path; other rows take the float32 path)."""
     return False
+
+
+def multiplies_codes(x: torch.Tensor, group: int, scale_dtype: torch.dtype) -> bool:
+    """Whether the kernel multiplies the row's int8 codes (cpu_kernel.row_codes8): a bfloat16 row on a CPU with the
+    int8 dot product, times int8 weights, or int4 weights with bfloat16 scales (csrc/gemv_quant.cpp, int8_dot_path)."""
+    if x.dtype != torch.bfloat16 or not cpu_kernel.int8_dot():
+        return False
+    return group == 0 or (scale_dtype == torch.bfloat16 and cpu_kernel.bf16_dot())
 
 
 def breaks(draw: Callable[[st.SearchStrategy[Any]], Any], options: list[str]) -> set[str]:
@@ -235,14 +245,15 @@ def check_gemv_q_values(c: dict, out: torch.Tensor, x: torch.Tensor, q: torch.Te
     group = c["call_group"]
     w = dequantized(q, s, group)  # [N, K]
     xr = x.reshape(-1).to(torch.bfloat16) if reads_x_as_bf16(group, s.dtype) else x.reshape(-1)
-    want = w @ xr.double()  # [N]
+    xr = row_codes(xr) if multiplies_codes(x, group, s.dtype) else xr.double()  # [K] float64
+    want = w @ xr  # [N]
     assert out.shape == (q.shape[0],) and out.dtype == x.dtype, f"out {out.dtype} {tuple(out.shape)}: {c}"
     got = out.double()
     finite = want.isfinite()
     assert torch.equal(got.isfinite(), finite) and (got.isnan() | ~want.isnan()).all(), (
         f"non-finite where the reference is not, or the reverse: {got.tolist()} against {want.tolist()}: {c}")
     tiny = 2**-25 if x.dtype == torch.float16 else 0.0
-    bound = ACC * (w.abs() @ xr.double().abs()) + OUT_ROUNDING[x.dtype] * want.abs() + tiny  # [N]
+    bound = ACC * (w.abs() @ xr.abs()) + OUT_ROUNDING[x.dtype] * want.abs() + tiny  # [N]
     err = (got - want).abs()
     assert (err[finite] <= bound[finite]).all(), (
         f"error {(err / bound.clamp(min=1e-300)).max().item():.3g} of the bound: {got.tolist()} against "

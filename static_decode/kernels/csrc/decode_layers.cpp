@@ -102,7 +102,7 @@ void products(const S* x, int64_t K, std::initializer_list<Product> mats, static
   if (head.q != nullptr) {  // a layer's products are all quantized or none
     const std::vector<float> xf(x, x + K);  // the row in float32 (each value converted on the copy)
     static_decode_kernels::prepare_row(xf.data(), K, head.q->group, static_decode_kernels::int4_bf16_path(*head.q),
-                                       row);
+                                       row, static_decode_kernels::int8_dot_path(*head.q));
   }
   std::vector<int64_t> first{0};  // first row block of each matrix, then the total
   for (const Product& p : mats) first.push_back(first.back() + (p.n + kRows - 1) / kRows);

@@ -9,6 +9,13 @@
 //
 // * int8: 16 codes widened to float32 (two instructions) and one FMA against the float32 row, 8 rows at once with
 //   the next 8 prefetched (gemv_bf16.cpp's loop), the row's scale applied once to its sum.
+// * int8 with a bfloat16 row on a CPU with AVX512-VNNI (int8_dot_path): the row is quantized once per call to int8
+//   codes in blocks of 32 (d = max|x| / 127, codes x / d rounded to nearest even, as llama.cpp's Q8_0 quantizes
+//   activations), and one vpdpbusd adds 64 code products. It multiplies unsigned by signed bytes, so the weight's
+//   codes go in with their sign bit flipped (q + 128) and each int32 lane starts at -16 * (its block's row codes'
+//   sum), which makes a block's lanes sum to exactly sum q * a; the lanes are then scaled by their block's d. Four
+//   instructions per 64 codes where widening takes twelve: at a large model's size the widening, not the memory,
+//   was the bound.
 // * int4 with a bfloat16 row (a bfloat16 model, AVX512-BF16): a code q (0..15) OR'ed into the bits of bfloat16
 //   128.0 is the bfloat16 value 128 + q exactly, so 32 codes become bfloat16 with two bit operations and take the
 //   dot-product instruction like bfloat16 weights. sum_k (128 + q_k) x_k = 128 * sum_k x_k + sum_k q_k x_k, and a
@@ -31,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -51,6 +59,10 @@ constexpr int64_t kRows4 = 4;  // int4 rows per inner step
 // the hardware prefetcher too little of each stream to learn: without this the int8 loop read 6-7 GB/s on one
 // Zen 4 core, with it 20-26 (profiles/RESULTS.md, "Quantized one-row kernels").
 constexpr int64_t kAhead = 8192;
+// The VNNI loops' (int8_block_vnni, int4_block_vnni), measured on the 3B shape's 8192 x 3072 weights: int8 at 4 rows
+// read at 0.93-0.98 of the bfloat16 GEMV's rate where 8 rows read at 0.8 (the widening loop's 8 stays best for it);
+// int4 at 2 rows and 4 KB ahead 0.88-0.94, at 4 rows 0.72 (profiles/RESULTS.md, "int8 dot products").
+constexpr int64_t kRows8V = 4, kRows4V = 2, kAhead4V = 4096;
 
 inline float bf16_to_float(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -122,6 +134,89 @@ void int8_rows(const QuantMat& m, const float* x, int64_t K, int64_t n0, int64_t
 #endif
 }
 
+#if defined(__AVX512VNNI__)
+// int8 rows [n, n + R) times the row's int8 codes (QuantRow's a8, a8d, a8fix; the scheme above).
+template <int R>
+void int8_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* y) {
+  const int64_t K = x.K, body = K / 64;
+  const int8_t* Q = static_cast<const int8_t*>(m.q) + n * K;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const char* ahead = reinterpret_cast<const char*>(Q) + kAhead;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const auto chunk = [&](int64_t c, auto load) {
+    const __m512i a = _mm512_loadu_si512(x.a8 + 64 * c);
+    const __m512i fix = _mm512_loadu_si512(x.a8fix + 16 * c);
+    const __m512 d = _mm512_loadu_ps(x.a8d + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512i w = _mm512_xor_si512(load(Q + r * K + 64 * c), flip);  // q + 128, unsigned
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(fix, w, a)), d, acc[r]);
+    }
+  };
+  for (int64_t c = 0; c < body; ++c) {
+    for (int r = 0; r < R; ++r) _mm_prefetch(ahead + (c * R + r) * 64, _MM_HINT_T0);  // this step's bytes, ahead
+    chunk(c, [](const int8_t* p) { return _mm512_loadu_si512(p); });
+  }
+  if (body * 64 < K) {  // the last chunk's codes past K load as zero: 128 after the flip, times a zero row code
+    const __mmask64 tail = (1ull << (K - body * 64)) - 1;
+    chunk(body, [tail](const int8_t* p) { return _mm512_maskz_loadu_epi8(tail, p); });
+  }
+  for (int r = 0; r < R; ++r) y[n + r] = _mm512_reduce_add_ps(acc[r]) * scale_at(m, n + r);
+}
+
+void int8_rows_vnni(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y) {
+  int64_t n = n0;
+  for (; n + kRows8V <= n1; n += kRows8V) int8_block_vnni<kRows8V>(m, x, n, y);
+  for (; n < n1; ++n) int8_block_vnni<1>(m, x, n, y);
+}
+
+// The row's int8 codes for int8_block_vnni: per block of kRowBlock8 values d = max|x| / 127 and codes x / d rounded
+// to nearest even (0 where d is 0); a block with a NaN or an infinity gets d NaN, so every sum it enters is NaN.
+void quantize_row8(const float* x, int64_t K, int64_t group, QuantRow& row) {
+  constexpr int64_t B = static_decode_kernels::kRowBlock8;
+  static_assert(B == 32, "two blocks a 64-code chunk, 16 values a vector");
+  const int64_t chunks = (K + 63) / 64;
+  row.q8.assign(64 * chunks, 0);
+  row.d8.assign(16 * chunks, 0.f);
+  row.fix8.assign(16 * chunks, 0);
+  for (int64_t b = 0; b * B < K; ++b) {
+    const int64_t k0 = b * B, n = std::min(B, K - k0);
+    const __mmask16 m0 = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+    const __mmask16 m1 = static_cast<__mmask16>(n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0);
+    const __m512 v0 = _mm512_maskz_loadu_ps(m0, x + k0), v1 = _mm512_maskz_loadu_ps(m1, x + k0 + 16);
+    const bool finite = !(_mm512_fpclass_ps_mask(v0, 0x99) | _mm512_fpclass_ps_mask(v1, 0x99));  // NaN, +-inf
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+    __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
+    if (finite && d > 0.f) {
+      const __m512 dv = _mm512_set1_ps(d), lim = _mm512_set1_ps(127.f);
+      // cvtps rounds by MXCSR: to nearest even unless someone changed it (nothing in torch does)
+      q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v0, dv), -lim), lim));
+      q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v1, dv), -lim), lim));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q8.data() + k0), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q8.data() + k0 + 16), _mm512_cvtsepi32_epi8(q1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    for (int j = 0; j < 8; ++j) {  // block b fills lanes 8 (b % 2) .. of its chunk's 16
+      row.d8[8 * b + j] = d;
+      row.fix8[8 * b + j] = -16 * sum;
+    }
+  }
+  row.a8 = row.q8.data();
+  row.a8d = row.d8.data();
+  row.a8fix = row.fix8.data();
+  if (group > 0) {  // int4: the upper lanes' scale over 16 (their codes come in 16 times their value), and per
+    row.d4.resize(row.d8.size());  // group the sum of d * (sum of codes) over its blocks
+    for (size_t i = 0; i < row.d8.size(); ++i) row.d4[i] = i % 16 >= 8 ? row.d8[i] * 0.0625f : row.d8[i];
+    row.grp8.assign(K / group, 0.f);
+    for (int64_t b = 0; b * B < K; ++b)
+      row.grp8[b * B / group] += row.d8[8 * b] * static_cast<float>(row.fix8[8 * b] / -16);
+    row.a4d = row.d4.data();
+    row.a8grp = row.grp8.data();
+  }
+}
+#endif
+
 // ---- int4 ---------------------------------------------------------------------------------------------------------
 // Any CPU, float32 row: the codes widened one by one, each group's dot product scaled, the offset term from the
 // row's group sums.
@@ -153,6 +248,33 @@ void int4_rows_float(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n
 }
 
 #if defined(__AVX512BF16__)
+// Rows [n, n + R)'s int4 scales as float32 into sbuf [R, G] (broadcast from memory in the product loop), and each
+// row's offset term sum_g (z_g + zmul * s_g) * sums[g] into acc[r] (the row's sums per group, as its loop needs).
+template <int R>
+void int4_scales(const QuantMat& m, int64_t n, int64_t G, const float* sums, float zmul, float* sbuf, __m512* acc) {
+  const auto* S = static_cast<const uint16_t*>(m.s);  // (s, z) bfloat16 pairs [N, G]
+  const __m512i zhalf = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  // The scales are a second stream, read here a row block at a time: prefetched kAhead / 4 bytes ahead (at group
+  // 32 they are a quarter of the codes' bytes). Without it the loop stalled on the scales' loads (perf annotate:
+  // ~15% of its samples on the instruction after them).
+  const char* sahead = reinterpret_cast<const char*>(S + n * G * 2) + kAhead / 4;
+  for (int64_t b = 0; b < R * G * 4; b += 64) _mm_prefetch(sahead + b, _MM_HINT_T0);
+  for (int r = 0; r < R; ++r) {
+    __m512 off = _mm512_setzero_ps();  // a local: acc[r] went through memory per group
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(S + (n + r) * G * 2);  // (s | z << 16) per group
+    for (int64_t g = 0; g < G; g += 16) {
+      const __mmask16 mk = static_cast<__mmask16>(G - g >= 16 ? 0xFFFF : (1u << (G - g)) - 1);
+      const __m512i p = _mm512_maskz_loadu_epi32(mk, pairs + g);
+      const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+      const __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(p, zhalf));
+      _mm512_mask_storeu_ps(sbuf + r * G + g, mk, sv);
+      const __m512 zt = _mm512_fmadd_ps(sv, _mm512_set1_ps(zmul), zv);
+      off = _mm512_fmadd_ps(zt, _mm512_maskz_loadu_ps(mk, sums + g), off);
+    }
+    acc[r] = off;
+  }
+}
+
 // A bfloat16 row and bfloat16 scales on a CPU with AVX512-BF16: the 128 + q trick above. `int4_block` takes R rows
 // from row n with R a compile-time count, so its accumulators stay in registers (a runtime row count left the loop
 // over rows rolled and the accumulators on the stack).
@@ -162,28 +284,9 @@ void int4_block(const QuantMat& m, const QuantRow& x, int64_t n, float* sbuf, fl
   const auto* Q = static_cast<const uint8_t*>(m.q);
   const auto* S = static_cast<const uint16_t*>(m.s);  // (s, z) bfloat16 pairs [N, G]
   const __m512i magic = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000F);
-  const __m512i zhalf = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  // The scales are a second stream, read here a row block at a time: prefetched kAhead / 4 bytes ahead (at group
-  // 32 they are a quarter of the codes' bytes). Without it this loop stalled on the scales' loads (perf annotate:
-  // ~15% of its samples on the instruction after them).
-  const char* sahead = reinterpret_cast<const char*>(S + n * G * 2) + kAhead / 4;
-  for (int64_t b = 0; b < R * G * 4; b += 64) _mm_prefetch(sahead + b, _MM_HINT_T0);
   __m512 acc[R], d[R];
-  for (int r = 0; r < R; ++r) {  // row n + r's scales as float32 into sbuf (broadcast from memory in the loop);
-    __m512 off = _mm512_setzero_ps();  // its offset term, into acc (a local: acc[r] went through memory per group)
-    d[r] = _mm512_setzero_ps();
-    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(S + (n + r) * G * 2);  // (s | z << 16) per group
-    for (int64_t g = 0; g < G; g += 16) {
-      const __mmask16 mk = static_cast<__mmask16>(G - g >= 16 ? 0xFFFF : (1u << (G - g)) - 1);
-      const __m512i p = _mm512_maskz_loadu_epi32(mk, pairs + g);
-      const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
-      const __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(p, zhalf));
-      _mm512_mask_storeu_ps(sbuf + r * G + g, mk, sv);
-      const __m512 zt = _mm512_fmadd_ps(sv, _mm512_set1_ps(-136.f), zv);  // z - 136 s
-      off = _mm512_fmadd_ps(zt, _mm512_maskz_loadu_ps(mk, x.xsum + g), off);
-    }
-    acc[r] = off;
-  }
+  for (int r = 0; r < R; ++r) d[r] = _mm512_setzero_ps();
+  int4_scales<R>(m, n, G, x.xsum, -136.f, sbuf, acc);  // z - 136 s: the 128 + q codes' offset
   const char* ahead = reinterpret_cast<const char*>(Q + n * half) + kAhead;
   for (int64_t c = 0; c < C; ++c) {
     _mm_prefetch(ahead + c * 32 * R, _MM_HINT_T0);  // the bytes this step consumes, kAhead further on
@@ -212,10 +315,58 @@ void int4_block(const QuantMat& m, const QuantRow& x, int64_t n, float* sbuf, fl
   for (int r = 0; r < R; ++r) y[n + r] = _mm512_reduce_add_ps(acc[r]);
 }
 
+#if defined(__AVX512VNNI__)
+// int4 rows [n, n + R) times the row's int8 codes (int8_dot_path): a chunk's 32 bytes broadcast to both halves of
+// a vector and masked, the low nibbles (columns 64c..64c+31) in the lower half and the high ones, 16 times their
+// value, in the upper; one vpdpbusd then gives each block's sum q * a in 8 lanes (the upper ones 16 times it, which
+// their scale a4d takes back), scaled by the block's d and the group's s. The offset term (z - 8 s) times the row's
+// sum per group (a8grp: sum over its blocks of d * sum of codes) comes from int4_scales.
+template <int kGroup, int R>
+void int4_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbuf, float* y) {
+  const int64_t K = x.K, G = K / kGroup, half = K / 2, C = K / 64;
+  const auto* Q = static_cast<const uint8_t*>(m.q);
+  const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8(static_cast<char>(0xF0)), 1);
+  __m512 acc[R], dacc[R];
+  for (int r = 0; r < R; ++r) dacc[r] = _mm512_setzero_ps();
+  int4_scales<R>(m, n, G, x.a8grp, -8.f, sbuf, acc);
+  const char* ahead = reinterpret_cast<const char*>(Q + n * half) + kAhead4V;
+  for (int64_t c = 0; c < C; ++c) {
+    _mm_prefetch(ahead + c * 32 * R, _MM_HINT_T0);  // the bytes this step consumes, kAhead further on
+    if (R > 2) _mm_prefetch(ahead + c * 32 * R + 64, _MM_HINT_T0);
+    const __m512i a = _mm512_loadu_si512(x.a8 + 64 * c);
+    const __m512 dv = _mm512_loadu_ps(x.a4d + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512i w = _mm512_and_si512(_mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Q + (n + r) * half + 32 * c))), nib);
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a));
+      const float* s = sbuf + r * G;
+      if constexpr (kGroup == 32) {
+        const __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[2 * c]), _mm512_set1_ps(s[2 * c + 1]));
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(v, dv), sv, acc[r]);
+      } else {
+        dacc[r] = _mm512_fmadd_ps(v, dv, dacc[r]);
+        if ((64 * (c + 1)) % kGroup == 0) {  // the group ends with this chunk
+          acc[r] = _mm512_fmadd_ps(dacc[r], _mm512_set1_ps(s[64 * (c + 1) / kGroup - 1]), acc[r]);
+          dacc[r] = _mm512_setzero_ps();
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) y[n + r] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
 template <int kGroup>
 void int4_rows_bf16(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y) {
   std::vector<float> sbuf(kRows4 * (x.K / kGroup));  // a block's scales as float32
   int64_t n = n0;
+#if defined(__AVX512VNNI__)
+  if (x.a8 != nullptr) {
+    for (; n + kRows4V <= n1; n += kRows4V) int4_block_vnni<kGroup, kRows4V>(m, x, n, sbuf.data(), y);
+    for (; n < n1; ++n) int4_block_vnni<kGroup, 1>(m, x, n, sbuf.data(), y);
+    return;
+  }
+#endif
   for (; n + kRows4 <= n1; n += kRows4) int4_block<kGroup, kRows4>(m, x, n, sbuf.data(), y);
   for (; n < n1; ++n) int4_block<kGroup, 1>(m, x, n, sbuf.data(), y);
 }
@@ -225,7 +376,8 @@ void int4_rows_bf16(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1
 
 // The row a quantized product reads, prepared once per call (QuantRow): float32 and bfloat16 copies and the sums of
 // its values in groups of `group`; `bf16`: the row is rounded to bfloat16 first (the int4 bfloat16 path reads it so).
-void static_decode_kernels::prepare_row(const float* x, int64_t K, int64_t group, bool bf16, QuantRow& row) {
+void static_decode_kernels::prepare_row(const float* x, int64_t K, int64_t group, bool bf16, QuantRow& row,
+                                        bool int8) {
   row.K = K;
   row.f.resize(K);
   row.b.resize(K);
@@ -239,6 +391,25 @@ void static_decode_kernels::prepare_row(const float* x, int64_t K, int64_t group
   row.xf = row.f.data();
   row.xb = row.b.data();
   row.xsum = row.sums.data();
+  row.a8 = nullptr;
+#if defined(__AVX512VNNI__)
+  if (int8) quantize_row8(row.xf, K, group, row);
+#else
+  TORCH_CHECK(!int8, "prepare_row: int8 row codes need AVX512-VNNI");
+#endif
+}
+
+bool static_decode_kernels::int8_dot_path(const QuantMat& m) {
+#if defined(__AVX512VNNI__)
+  if (m.bits == 8) return m.bf16_row;
+#if defined(__AVX512BF16__)
+  return m.bf16_row && m.bf16_scales && (m.group == 32 || m.group == 64 || m.group == 128);  // int4_block_vnni's
+#else
+  return false;
+#endif
+#else
+  return false;
+#endif
 }
 
 bool static_decode_kernels::int4_bf16_path(const QuantMat& m) {
@@ -250,6 +421,9 @@ bool static_decode_kernels::int4_bf16_path(const QuantMat& m) {
 }
 
 void static_decode_kernels::quant_rows(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y) {
+#if defined(__AVX512VNNI__)
+  if (m.bits == 8 && x.a8 != nullptr) return int8_rows_vnni(m, x, n0, n1, y);
+#endif
   if (m.bits == 8) return int8_rows(m, x.xf, x.K, n0, n1, y);
 #if defined(__AVX512BF16__)
   if (int4_bf16_path(m)) {
@@ -315,7 +489,8 @@ at::Tensor gemv_q(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   QuantMat mm = m;
   mm.bf16_row = x.scalar_type() == at::kBFloat16;
   QuantRow row;
-  static_decode_kernels::prepare_row(xf.data_ptr<float>(), K, group, static_decode_kernels::int4_bf16_path(mm), row);
+  static_decode_kernels::prepare_row(xf.data_ptr<float>(), K, group, static_decode_kernels::int4_bf16_path(mm), row,
+                                     static_decode_kernels::int8_dot_path(mm));
   auto yf = at::empty({N}, x.options().dtype(at::kFloat));
   float* yp = yf.data_ptr<float>();
   const int64_t block = static_decode_kernels::quant_block(m);

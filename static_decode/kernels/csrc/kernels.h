@@ -34,11 +34,25 @@ struct QuantRow {  // the row x [K] as the products read it: prepare_row
   const float* xf = nullptr;     // float32 values
   const uint16_t* xb = nullptr;  // bfloat16 bits
   const float* xsum = nullptr;   // sums of xf in groups of the int4 group size
-  std::vector<float> f, sums;
+  // int8 codes of the row (int8_dot_path): per chunk of 64 values, 64 codes (zero past K), then for each of the 16
+  // int32 lanes a VNNI dot product fills, the block's scale and its correction -16 * (sum of the block's codes)
+  const int8_t* a8 = nullptr;
+  const float* a8d = nullptr;
+  const int32_t* a8fix = nullptr;
+  const float* a4d = nullptr;    // int4: a8d with the upper 8 lanes of each chunk over 16
+  const float* a8grp = nullptr;  // int4: per group, the sum over its blocks of d * (sum of the block's codes)
+  std::vector<float> f, sums, d8, d4, grp8;
   std::vector<uint16_t> b;
+  std::vector<int8_t> q8;
+  std::vector<int32_t> fix8;
 };
-void prepare_row(const float* x, int64_t K, int64_t group, bool bf16, QuantRow& row);
+// `int8`: the row is also quantized to int8 in blocks of kRowBlock8 values (int8_dot_path).
+void prepare_row(const float* x, int64_t K, int64_t group, bool bf16, QuantRow& row, bool int8 = false);
 bool int4_bf16_path(const QuantMat& m);  // whether m's products round the row to bfloat16 (prepare_row's bf16)
+// Whether m's products multiply int8 codes of the row (prepare_row's int8): a bfloat16 row times int8 weights, or
+// int4 weights with bfloat16 scales, on a CPU with AVX512-VNNI.
+bool int8_dot_path(const QuantMat& m);
+constexpr int64_t kRowBlock8 = 32;  // values per scale of the row's int8 codes (llama.cpp's Q8_0 block)
 // Rows [n0, n1) of m times the row into y[n0..n1) (float32 sums, scales applied).
 void quant_rows(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y);
 int64_t quant_block(const QuantMat& m);  // rows per inner step: split the rows across threads in multiples of it
