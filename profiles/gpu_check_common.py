@@ -86,6 +86,9 @@ def weight_bytes_per_token(model: Llama) -> int:
 
 
 def kv_bytes(cfg: LlamaConfig, length: int, dtype: torch.dtype) -> int:
+    """K and V bytes of `length` tokens; an int8 cache adds its float32 scale per token and KV head."""
+    if dtype == torch.int8:
+        return 2 * cfg.num_layers * cfg.num_kv_heads * length * (cfg.head_dim + 4)
     return 2 * cfg.num_layers * cfg.num_kv_heads * length * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 

@@ -221,11 +221,13 @@ class Variant:
     symbolic: bool = True
     fused: bool = True
     options: dict[str, Any] = field(default_factory=dict)  # inductor options (CUDA graphs kept)
+    kv_dtype: torch.dtype | None = None  # the cache's dtype (None: the model's)
     prepare: Callable[[Llama], Llama] | None = None  # e.g. quantise the weights
 
 
 VARIANTS = (
     Variant("default"),  # CUDA: flex where it fits
+    Variant("kv_int8", kv_dtype=torch.int8),  # int8 K/V codes with a scale per token and KV head
     Variant("split_key", attn_impl="split_key"),
     Variant("static_read_len", symbolic=False),
     Variant("unfused_projections", fused=False),
@@ -249,7 +251,7 @@ def phase_variants(ctx: Ctx) -> None:
             ctx.rows.add("decode", setting=v.name, skipped="inductor options: not on the dry run's eager backend")
             continue
         try:
-            model = _model(cfg, sh, d, attn_impl=v.attn_impl, fused_projections=v.fused)
+            model = _model(cfg, sh, d, attn_impl=v.attn_impl, fused_projections=v.fused, kv_dtype=v.kv_dtype)
             if v.prepare is not None:
                 model = v.prepare(model)
             settings = ctx.settings(symbolic=v.symbolic, options=v.options)
@@ -263,7 +265,7 @@ def phase_variants(ctx: Ctx) -> None:
             for live in sh.lengths:
                 read_len = gen.read_len(live + ctx.steps)
                 s = time_decode(gen, live, ctx.steps, read_len, timer)
-                nbytes = weight_bytes_per_token(model) + kv_bytes(cfg, live + ctx.steps // 2, sh.dtype)
+                nbytes = weight_bytes_per_token(model) + kv_bytes(cfg, live + ctx.steps // 2, model.kv_dtype)
                 ctx.rows.add("decode", setting=v.name, layers=cfg.num_layers, live=live, read_len=read_len,
                              ms=round(s * 1e3, 4), copy_fraction=round(nbytes / s / 1e9 / copy, 3))
             del gen, model
