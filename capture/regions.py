@@ -193,7 +193,7 @@ class LayerRegions:
         """The op's body at run time: the compiled region over this span's blocks and K/V views, or the fused
         kernel over every layer (the traced call chose it: a one-row, one-token step)."""
         if (start, stop) == self._whole and self._fuses(x):
-            return self.fused(x, cos, sin, k, v, lens, n_new, lens_after, read_len)
+            return self.fused(x, cos, sin, k, v, lens, n_new, lens_after, read_len, self.scales)
         n = dc.dynamic_int(int(read_len)) if self.symbolic else int(read_len)
         # The op is reached with or without the ADInplaceOrView key excluded (inductor calls it both ways), and
         # dynamo guards on the inputs' dispatch keys: one setting for every call, or each way is a recompile.

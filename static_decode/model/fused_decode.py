@@ -43,7 +43,6 @@ def unsupported(model: Llama, cache: StaticKVCache) -> str | None:
         (c.query_scale is not None, "a score scale other than head_dim ** -0.5 (query_pre_attn_scalar)"),
         (c.local_rope is not None, "a second rotary table for the sliding layers (Gemma 3)"),
         (c.rope.rotary_dim(c.head_dim) != c.head_dim, "partial rotary embedding (the kernel rotates whole heads)"),
-        (cache.quantized, "an int8 KV cache (the fused layers write and read float caches only)"),
         (not cpu_kernel.supports(groups, c.head_dim, cache.dtype, cache.device), f"head_dim {c.head_dim}"),
     )
     for bad, why in reasons:
@@ -138,9 +137,17 @@ class FusedLayers:
         n_new: torch.Tensor,
         lens_after: torch.Tensor,
         read_len: int,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x [1, 1, D] through the layers; k/v [n, 1, Hkv, max_len + spare, d] the span's cache layers (written in
-        place at lens, the old length); cos/sin [1, 1, 1, d/2]. Returns x after the last layer."""
+        place at lens, the old length); cos/sin [1, 1, 1, d/2]; `scales`: an int8 cache's (k_scale, v_scale)
+        [n, 1, Hkv, max_len + spare] float32 (k/v then its codes), written in place with them. Returns x after the
+        last layer."""
+        if scales is not None:
+            return torch.ops.static_decode_cpu.decode_layers_kv8(
+                x.contiguous(), cos.contiguous(), sin.contiguous(), k, v, scales[0], scales[1], lens, n_new,
+                lens_after, int(read_len), self.weights, self.scales, self.group, self.eps, self.windows,
+            )  # [1, 1, D]
         if self.group >= 0:
             return torch.ops.static_decode_cpu.decode_layers_q(
                 x.contiguous(), cos.contiguous(), sin.contiguous(), k, v, lens, n_new, lens_after, int(read_len),

@@ -57,6 +57,35 @@ def layers_call(n: int = 1, lens: int = 5, lens_after: int | None = None, read_l
     return (lambda: OPS.decode_layers(*args)), (kbuf, vbuf)
 
 
+def layers_kv8_call(lens: int = 5, *, scale: str = "good", codes: torch.dtype = torch.int8):
+    """decode_layers_kv8's arguments: layers_call's float32 model over an int8 cache, codes and scales guarded the
+    same way; `scale` breaks the scales ("float64", "short": one key row fewer, "strided": the key axis not
+    contiguous, "batch2"), `codes` the cache's dtype: (call, guarded buffers)."""
+    gen = torch.Generator().manual_seed(3)
+    hkv, d, max_len = 2, 16, 8
+    D, inner, nkv = 32, 48, hkv * d
+    weights = [torch.randn(shape, generator=gen) * 0.2 for _ in range(2)
+               for shape in ((D,), (2 * nkv, D), (nkv, D), (nkv, D), (D, 2 * nkv), (D,), (inner, D), (inner, D),
+                             (D, inner))]
+    cos, sin = torch.randn(1, 1, 1, d // 2, generator=gen), torch.randn(1, 1, 1, d // 2, generator=gen)
+    kbuf, vbuf = (torch.randint(-127, 128, (2, 1, hkv, max_len + 1 + 4, d), generator=gen).to(codes) for _ in range(2))
+    ksbuf, vsbuf = (torch.rand(2, 1, hkv, 2 * (max_len + 1 + 4), generator=gen) for _ in range(2))
+    k, v = kbuf[:, :, :, 2:-2], vbuf[:, :, :, 2:-2]
+    ks, vs = ksbuf[..., 2:2 + max_len + 1], vsbuf[..., 2:2 + max_len + 1]
+    if scale == "float64":
+        ks = ks.double()
+    elif scale == "short":
+        ks = ks[..., :-1]
+    elif scale == "strided":
+        ks = ksbuf[..., 2:2 + 2 * (max_len + 1):2]
+    elif scale == "batch2":
+        ks = ks.expand(2, 2, hkv, max_len + 1)
+    x = torch.randn(1, 1, D, generator=gen)
+    args = (x, cos, sin, k, v, ks, vs, torch.tensor([lens]), torch.tensor([1]), torch.tensor([lens + 1]), 8, weights,
+            [], -1, 1e-5)
+    return (lambda: OPS.decode_layers_kv8(*args)), (kbuf, vbuf, ksbuf, vsbuf)
+
+
 def layers_q_call(lens: int = 5, *, float_q: bool = False, drop_scale: bool = False):
     """decode_layers_q's arguments for 2 layers of an int4-g32 float32 model (D 64, inner 128, 2 KV heads of 16, 2
     query heads a KV head), the cache guarded as layers_call's; `float_q`: layer 0's q a float weight in place of
@@ -113,6 +142,13 @@ def cases() -> dict:
         "layers: zero KV heads": (layers_call(hkv=0), r"no layer or no KV head"),
         "layers: head_dim 0": (layers_call(d=0), r"head_dim 0 is not supported"),
         "layers: layer 1's q rows differ": (layers_call(q_rows=[64, 128]), r"layer 1 weight 1"),
+        "layers_kv8: lens = 10**9": (layers_kv8_call(lens=10**9), r"lens 1000000000 outside 0\.\.7"),
+        "layers_kv8: float64 scales": (layers_kv8_call(scale="float64"), r"k_scale Double .* must be float32"),
+        "layers_kv8: scales a key row short": (layers_kv8_call(scale="short"), r"k_scale Float \[2, 1, 2, 8\]"),
+        "layers_kv8: strided scales": (layers_kv8_call(scale="strided"), r"k_scale .* key axis contiguous"),
+        "layers_kv8: scales of batch 2": (layers_kv8_call(scale="batch2"), r"k_scale Float \[2, 2, 2, 9\]"),
+        "layers_kv8: float codes": (layers_kv8_call(codes=torch.float32), r"int8 cache's K/V are Float/Float"),
+        "layers: an int8 cache without scales": (layers_call(kv_dtype=torch.int8), r"K/V dtypes Char/Char"),
         "layers_q: lens = 10**9": (layers_q_call(lens=10**9), r"lens 1000000000 outside 0\.\.7"),
         "layers_q: a float weight where codes belong": (
             layers_q_call(float_q=True), r"layer 0 weight 1: int4 codes must be packed uint8, got Float"),

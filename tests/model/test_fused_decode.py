@@ -18,6 +18,7 @@ import torch
 from capture import CaptureOptions, CompileSettings, count_compiles
 from static_decode import Generator, Llama, LlamaConfig, load_model
 from static_decode.checkpoints.loading import default_model_path
+from static_decode.core import kv_quant
 from static_decode.kernels import cpu_kernel
 from static_decode.model import rope
 from static_decode.model.blocks import run_blocks, step_attention
@@ -50,7 +51,8 @@ def decode_layers(model: Llama, cache, token: int, n_new: int, read_len: int, *,
         x = model.embed_tokens(torch.tensor([[token]]))  # [1, 1, D]
         if fused:
             layers = FusedLayers(model, 0, len(model.layers))
-            return layers(x, cos, sin, cache.k, cache.v, cache.lens, n, lens_after, read_len)
+            scales = (cache.k_scale, cache.v_scale) if cache.quantized else None
+            return layers(x, cos, sin, cache.k, cache.v, cache.lens, n, lens_after, read_len, scales)
         groups = model.config.num_heads // model.config.num_kv_heads
         impl, mask = step_attention(model.attn_impl, groups, cache.kv_heads, lens_after, n, 1, read_len,
                                     cache.head_dim, cache.dtype)
@@ -108,6 +110,59 @@ def test_float32_layers_match_an_independent_eager_step(kv_dtype, cached, n_new,
     changed = (cache.k != before_k).any(dim=-1).nonzero()[:, 3].unique().tolist()  # positions written
     assert changed == [pos]
     assert torch.isfinite(got).all()  # a padded slot's attention is zeros, not NaN
+
+
+def _held(cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 cache's K and V as the values they hold (code * scale), float32."""
+    return kv_quant.dequantize(cache.k, cache.k_scale), kv_quant.dequantize(cache.v, cache.v_scale)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize(("cached", "n_new", "read_len"), CASES)
+def test_bfloat16_layers_over_an_int8_cache_are_eager_bit_for_bit(cached, n_new, read_len) -> None:
+    """The kernel quantizes the new row as core/kv_quant does (codes and scales exactly eager's) and reads the codes
+    with the int8 attention, as the unfused decode step does."""
+    model = random_model(torch.bfloat16, torch.int8)
+    ref_cache, cache = cache_pair(model, cached)
+    assert cache.quantized
+    want = decode_layers(model, ref_cache, 17, n_new, read_len, fused=False)
+    got = decode_layers(model, cache, 17, n_new, read_len, fused=True)
+    assert torch.equal(got, want)
+    for name in ("k", "v", "k_scale", "v_scale", "lens"):
+        assert torch.equal(getattr(cache, name), getattr(ref_cache, name)), name
+
+
+@pytest.mark.parametrize(("cached", "n_new", "read_len"), CASES)
+def test_float32_layers_over_an_int8_cache_match_eager(cached, n_new, read_len) -> None:
+    model = random_model(torch.float32, torch.int8)
+    ref_cache, cache = cache_pair(model, cached)
+    before = cache.k.clone(), cache.k_scale.clone()
+    want = decode_layers(model, ref_cache, 17, n_new, read_len, fused=False)
+    got = decode_layers(model, cache, 17, n_new, read_len, fused=True)
+    # The products' summation order (MKL's against ours) can move a K/V value across a code's rounding boundary:
+    # the values held agree within one step of their row's scale.
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for held, ref, scale in zip(_held(cache), _held(ref_cache), (ref_cache.k_scale, ref_cache.v_scale), strict=True):
+        assert ((held - ref).abs() <= scale[..., None] * 1.001 + 1e-7).all()
+    pos = cached if n_new else cache.max_len  # a padded slot goes to the spare row
+    changed = ((cache.k != before[0]).any(dim=-1) | (cache.k_scale != before[1])).nonzero()[:, 3].unique().tolist()
+    assert changed == [pos]
+    assert torch.isfinite(got).all()
+
+
+def test_an_all_zero_row_is_written_as_scale_zero() -> None:
+    """Layer 0's K/V projections zeroed: the new rows are all zeros, written as scale 0 and codes 0 (kv_quant's
+    convention), and the attention over them stays finite."""
+    model = random_model(torch.float32, torch.int8)
+    with torch.no_grad():
+        for w in (model.layers[0].self_attn.qkv_proj.weight,):
+            w[CFG.num_heads * CFG.head_dim:] = 0.0  # the k and v rows of the joined projection
+    cache = filled_cache(model, 5, max_len=64)
+    got = decode_layers(model, cache, 17, 1, 32, fused=True)
+    assert torch.isfinite(got).all()
+    assert (cache.k[0, 0, :, 5] == 0).all() and (cache.v[0, 0, :, 5] == 0).all()
+    assert (cache.k_scale[0, 0, :, 5] == 0).all() and (cache.v_scale[0, 0, :, 5] == 0).all()
+    assert (cache.k_scale[1, 0, :, 5] > 0).all()  # the next layer's rows are not
 
 
 def test_bad_calls_raise_before_writing() -> None:

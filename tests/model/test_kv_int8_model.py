@@ -1,6 +1,7 @@
 """Llama.kv_dtype = "int8" on the embedded model: the same model over a float32 cache whose writes round K/V through
 the int8 formula is the reference (the int8 cache then holds exactly those values), the compiled steps give the eager
-tokens, the fused decode layers refuse it by name, the bytes are counted exactly, and the perplexity stays close.
+tokens (through the fused decode layers for batch-1 steps), the bytes are counted exactly, and the perplexity stays
+close.
 """
 
 from __future__ import annotations
@@ -76,10 +77,23 @@ def test_compiled_greedy_equals_eager_with_an_int8_cache(int8) -> None:
     assert compiled.cache.quantized
 
 
-def test_fused_decode_refuses_an_int8_cache(int8) -> None:
-    assert fused_decode.unsupported(int8, int8.new_cache(1, 32)) == (
-        "an int8 KV cache (the fused layers write and read float caches only)"
-    )
+def test_compiled_steps_run_the_fused_layers_over_an_int8_cache(int8) -> None:
+    """Batch-1 one-token steps take the fused decode layers (csrc/decode_layers.cpp), which quantize the new rows in
+    place and read the codes; the tokens stay eager's and the cache holds what eager's holds."""
+    assert fused_decode.unsupported(int8, int8.new_cache(1, 32)) is None
+    eager = Generator(int8, max_len=128, batch=1, compile=False)
+    compiled = Generator(int8, max_len=128, batch=1, compile=True)
+    assert compiled.runner.regions.fused is not None
+    prompt = [1, 5, 9, 200, 31, 7]
+    assert compiled.generate(prompt, 16, stop_at_eos=False) == eager.generate(prompt, 16, stop_at_eos=False)
+    with torch.profiler.profile() as prof:
+        compiled.generate(prompt, 3, stop_at_eos=False)
+    assert sum(1 for e in prof.events() if "decode_layers_kv8" in e.name) == 2  # the steps after the first token
+    compiled.generate(prompt, 16, stop_at_eos=False)
+    n = int(compiled.cache.lens[0])
+    for name in ("k_scale", "v_scale"):
+        got, want = getattr(compiled.cache, name)[..., :n], getattr(eager.cache, name)[..., :n]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
 def test_kv_bytes_are_exact_and_about_half_of_bfloat16(int8) -> None:

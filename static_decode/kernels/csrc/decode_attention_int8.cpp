@@ -15,6 +15,7 @@
 #include "attention_avx512.h"
 #include "checks.h"
 #include "decode_common.h"
+#include "kernels.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -223,6 +224,13 @@ at::Tensor decode_attention_int8_meta(const at::Tensor& q, const at::Tensor& k, 
 }
 
 }  // namespace
+
+at::Tensor static_decode_kernels::decode_attention_int8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                        const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                                        const at::Tensor& lens, const at::Tensor& n_new, int64_t slots,
+                                                        double scale, int64_t window) {
+  return ::decode_attention_int8(q, k, v, k_scale, v_scale, lens, n_new, slots, scale, window);
+}
 
 TORCH_LIBRARY_FRAGMENT(static_decode_cpu, m) {
   m.def("decode_attention_int8(Tensor q, Tensor k, Tensor v, Tensor k_scale, Tensor v_scale, Tensor lens, "

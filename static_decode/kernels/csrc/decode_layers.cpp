@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "decode_layers.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -38,12 +39,8 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kRows = 8;      // weight rows per inner step (gemv_bf16.cpp's)
-constexpr int64_t kPerLayer = 9;  // weights per layer, in this order:
-enum { kInNorm, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown };
-// A quantized model's layers also pass the scales of their 7 projections (decode_layers_q), in this order:
-constexpr int64_t kQuantPerLayer = 7;
-constexpr int kQuantIndex[kPerLayer] = {-1, 0, 1, 2, 3, -1, 4, 5, 6};  // weight index -> its scales' index
+using namespace static_decode_kernels::layers;  // the tensors' order, Cache, check_layers
+constexpr int64_t kRows = 8;  // weight rows per inner step (gemv_bf16.cpp's)
 
 inline float hsum(const Vec& a) {
   alignas(64) float t[Vec::size()];
@@ -160,11 +157,59 @@ void rotate(float* y, int64_t heads, int64_t d, const S* cos, const S* sin) {
   }
 }
 
+// Head dim values x [d] (of the model's dtype) as int8 codes and a float32 scale, core/kv_quant.quantize's math:
+// scale = max |x| / 127, code = x / scale rounded to nearest even, clamped to -127..127; an all-zero row has scale 0
+// and codes 0. A NaN in x makes the scale NaN (torch's amax), its codes 0.
+inline void quantize_kv_row(const float* x, int64_t d, int8_t* codes, float* scale) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::isnan(x[i]) || std::isnan(amax) ? NAN : std::max(amax, std::fabs(x[i]));
+  const float s = amax / 127.f, safe = s > 0.f ? s : 1.f;
+  for (int64_t i = 0; i < d; ++i) {
+    const float c = std::nearbyint(x[i] / safe);
+    codes[i] = std::isnan(c) ? 0 : static_cast<int8_t>(std::clamp(c, -127.f, 127.f));
+  }
+  *scale = s;
+}
+
+// The new token's K and V rows (float32 sums kn/vn [Hkv * d], rounded to the model's dtype here) written into layer
+// l of the cache at position pos, in place: rounded to a float cache's dtype, or quantized into an int8 cache's codes
+// and scales.
 template <typename S>
-at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k, at::Tensor& v,
+void write_kv(const Cache& c, int64_t l, int64_t pos, const float* kn, const float* vn, int64_t Hkv, int64_t d) {
+  if (c.k_scale != nullptr) {
+    std::vector<float> row(d);
+    const at::Tensor* codes[2] = {&c.k, &c.v};
+    const at::Tensor* scales[2] = {c.k_scale, c.v_scale};
+    const float* src[2] = {kn, vn};
+    for (int64_t hh = 0; hh < Hkv; ++hh) {
+      for (int j = 0; j < 2; ++j) {
+        const at::Tensor &t = *codes[j], &s = *scales[j];
+        for (int64_t i = 0; i < d; ++i) row[i] = rnd<S>(src[j][hh * d + i]);
+        quantize_kv_row(row.data(), d,
+                        static_cast<int8_t*>(t.data_ptr()) + l * t.stride(0) + hh * t.stride(2) + pos * t.stride(3),
+                        static_cast<float*>(s.data_ptr()) + l * s.stride(0) + hh * s.stride(2) + pos * s.stride(3));
+      }
+    }
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, c.k.scalar_type(), "decode_layers_write", [&] {
+    for (int64_t hh = 0; hh < Hkv; ++hh) {  // row 0, head hh, position pos
+      scalar_t* kd = c.k.data_ptr<scalar_t>() + l * c.k.stride(0) + hh * c.k.stride(2) + pos * c.k.stride(3);
+      scalar_t* vd = c.v.data_ptr<scalar_t>() + l * c.v.stride(0) + hh * c.v.stride(2) + pos * c.v.stride(3);
+      for (int64_t i = 0; i < d; ++i) {
+        kd[i] = static_cast<scalar_t>(static_cast<S>(kn[hh * d + i]));
+        vd[i] = static_cast<scalar_t>(static_cast<S>(vn[hh * d + i]));
+      }
+    }
+  });
+}
+
+template <typename S>
+at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const Cache& cache,
                   const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after, int64_t read_len,
                   at::TensorList w, const std::vector<static_decode_kernels::QuantMat>& quant, double eps,
                   at::IntArrayRef windows) {
+  const at::Tensor &k = cache.k, &v = cache.v;
   const int64_t L = k.size(0), Hkv = k.size(2), d = k.size(4), D = x.size(-1);
   const int64_t Nq = w[kQ].size(0), Nkv = w[kK].size(0), inner = w[kGate].size(0), Hq = Nq / d, G = Hq / Hkv;
   const int64_t max_len = k.size(3) - 1;  // the spare row past max_len takes a padded slot (cache.SPARE_ROWS)
@@ -198,21 +243,17 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     for (float& f : qkv) f = rnd<S>(f);
     rotate<S>(qkv.data(), Hq + Hkv, d, cs, sn);  // q's heads then k's: adjacent
     for (int64_t i = 0; i < Nq; ++i) qp[i] = static_cast<S>(qkv[i]);  // head h = kv * G + g: [1, Hkv, G, d]
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "decode_layers_write", [&] {
-      for (int64_t hh = 0; hh < Hkv; ++hh) {  // row 0, head hh, position pos: written in place (rule 1)
-        scalar_t* kd = k.data_ptr<scalar_t>() + l * k.stride(0) + hh * k.stride(2) + pos * k.stride(3);
-        scalar_t* vd = v.data_ptr<scalar_t>() + l * v.stride(0) + hh * v.stride(2) + pos * v.stride(3);
-        for (int64_t i = 0; i < d; ++i) {
-          kd[i] = static_cast<scalar_t>(static_cast<S>(qkv[Nq + hh * d + i]));
-          vd[i] = static_cast<scalar_t>(static_cast<S>(qkv[Nq + Nkv + hh * d + i]));
-        }
-      }
-    });
+    write_kv<S>(cache, l, pos, qkv.data() + Nq, qkv.data() + Nq + Nkv, Hkv, d);  // in place at pos (rule 1)
     const auto kl = k.select(0, l).slice(2, 0, read_len);  // [1, Hkv, read_len, d] views
     const auto vl = v.select(0, l).slice(2, 0, read_len);
     const int64_t window = windows.empty() ? 0 : windows[l];
-    const auto att =
-        static_decode_kernels::decode_attention(q, kl, vl, lens_after, n_new, 1, scale, window);  // [1, Hkv, G, d]
+    const auto att =  // [1, Hkv, G, d]
+        cache.k_scale == nullptr
+            ? static_decode_kernels::decode_attention(q, kl, vl, lens_after, n_new, 1, scale, window)
+            : static_decode_kernels::decode_attention_int8(q, kl, vl,
+                                                           cache.k_scale->select(0, l).slice(2, 0, read_len),
+                                                           cache.v_scale->select(0, l).slice(2, 0, read_len),
+                                                           lens_after, n_new, 1, scale, window);
     products<S>(att.data_ptr<S>(), Nq, {mat(kO, D, o.data())}, row);
     for (int64_t i = 0; i < D; ++i) xs[i] = rnd<S>(xs[i] + rnd<S>(o[i]));
     rms_norm<S>(xs.data(), ptr(kPostNorm), D, eps, h.data());
@@ -234,100 +275,18 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
-// Everything `layers` indexes with, before the cache is written (rule 6): devices, dtypes, shapes, strides, no zero
-// size, every layer's weights the shapes of the first's (the buffers are sized by it), the head size the attention
-// has code for, and the lengths: n_new 0 or 1, lens_after = lens + n_new <= read_len <= max_len (the write at lens
-// stays inside the cache's rows, the attention inside the read); the windows: none or one per layer, each >= 0.
-std::vector<static_decode_kernels::QuantMat> check_layers(
-    const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after, int64_t read_len,
-    at::TensorList weights, at::TensorList scales, int64_t group, at::IntArrayRef windows) {
-  using static_decode_kernels::check_cpu;
-  constexpr const char* op = "decode_layers";
-  for (const auto& [t, name] : {std::pair{&x, "x"}, {&cos, "cos"}, {&sin, "sin"}, {&k, "k"}, {&v, "v"}})
-    check_cpu(*t, op, name);
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1 && x.size(2) > 0 && x.is_contiguous(),
-              "decode_layers: x must be one contiguous row [1, 1, D], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "decode_layers: model dtype ",
-              x.scalar_type(), " is not supported here (float32, bfloat16)");
-  TORCH_CHECK(k.dim() == 5 && k.sizes() == v.sizes() && k.size(1) == 1 && k.stride(4) == 1 && v.stride(4) == 1,
-              "decode_layers: k and v must be [L, 1, Hkv, S, d] with contiguous rows, got ", k.sizes(), " ", v.sizes());
-  TORCH_CHECK(static_decode_kernels::kernel_float(k.scalar_type()) && v.scalar_type() == k.scalar_type(),
-              "decode_layers: K/V dtypes ", k.scalar_type(), "/", v.scalar_type(), " (float32/bfloat16/float16)");
-  TORCH_CHECK(k.size(0) > 0 && k.size(2) > 0, "decode_layers: k ", k.sizes(), " has no layer or no KV head");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * k.size(0), "decode_layers: ", weights.size(),
-              " weights for ", k.size(0), " layers (", kPerLayer, " a layer)");
-  TORCH_CHECK(read_len >= 1 && read_len <= k.size(3) - 1, "decode_layers: read_len ", read_len, " outside 1..",
-              k.size(3) - 1);
-  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == k.size(0), "decode_layers: ",
-              windows.size(), " windows for ", k.size(0), " layers (none, or one a layer)");
-  for (size_t l = 0; l < windows.size(); ++l) {
-    const std::string name = "windows[" + std::to_string(l) + "]";
-    static_decode_kernels::check_window(windows[l], op, name.c_str());
-  }
-  const int64_t Hkv = k.size(2), d = k.size(4), D = x.size(2), max_len = k.size(3) - 1;
-  TORCH_CHECK(static_decode_kernels::head_dim_supported(d), "decode_layers: head_dim ", d, " is not supported");
-  TORCH_CHECK(cos.numel() == d / 2 && sin.numel() == d / 2 && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
-              "decode_layers: cos/sin must hold head_dim / 2 values in x's dtype, got ", cos.scalar_type(), " ",
-              cos.sizes(), " and ", sin.scalar_type(), " ", sin.sizes());
-  const int64_t Nq = weights[kQ].dim() == 2 ? weights[kQ].size(0) : 0, Nkv = Hkv * d;
-  const int64_t inner = weights[kGate].dim() == 2 ? weights[kGate].size(0) : 0;
-  TORCH_CHECK(Nq >= Nkv && Nq % Nkv == 0 && Nq / Nkv <= static_decode_kernels::kMaxRows && inner > 0,
-              "decode_layers: q rows ", Nq, " for ", Hkv, " KV heads of ", d, " (1..", static_decode_kernels::kMaxRows,
-              " query heads a KV head), gate rows ", inner);
-  const int64_t want[kPerLayer][2] = {{D, -1}, {Nq, D}, {Nkv, D}, {Nkv, D}, {D, Nq}, {D, -1}, {inner, D},
-                                      {inner, D}, {D, inner}};
-  const bool quantized = group >= 0;
-  TORCH_CHECK(static_cast<int64_t>(scales.size()) == (quantized ? kQuantPerLayer * k.size(0) : 0),
-              "decode_layers: ", scales.size(), " scales for ", k.size(0), " layers of ",
-              quantized ? "quantized" : "float", " weights (", quantized ? kQuantPerLayer : 0, " a layer)");
-  std::vector<static_decode_kernels::QuantMat> mats;
-  for (int64_t l = 0; l < k.size(0); ++l) {
-    for (int i = 0; i < kPerLayer; ++i) {
-      const at::Tensor& t = weights[l * kPerLayer + i];
-      check_cpu(t, op, "a weight");
-      if (quantized && want[i][1] >= 0) {  // a projection: its codes and scales, the shape of the float weight's
-        int64_t N = 0, K = 0;
-        const std::string name = "layer " + std::to_string(l) + " weight " + std::to_string(i);
-        mats.push_back(static_decode_kernels::quant_mat(t, scales[l * kQuantPerLayer + kQuantIndex[i]], group, op,
-                                                        name.c_str(), &N, &K));
-        TORCH_CHECK(N == want[i][0] && K == want[i][1], "decode_layers: ", name, " is a quantized [", N, ", ", K,
-                    "] weight, [", want[i][0], ", ", want[i][1], "] wanted");
-        TORCH_CHECK(mats.back().bf16_scales == (x.scalar_type() == at::kBFloat16), "decode_layers: ", name,
-                    "'s scales are not in x's dtype ", x.scalar_type());
-        continue;
-      }
-      const bool shape = want[i][1] < 0 ? (t.dim() == 1 && t.size(0) == want[i][0])
-                                        : (t.dim() == 2 && t.size(0) == want[i][0] && t.size(1) == want[i][1]);
-      TORCH_CHECK(shape && t.is_contiguous() && t.scalar_type() == x.scalar_type(), "decode_layers: layer ", l,
-                  " weight ", i, " is ", t.scalar_type(), " ", t.sizes(), " (contiguous, x's dtype, [", want[i][0],
-                  want[i][1] < 0 ? "" : ", ", want[i][1] < 0 ? "" : std::to_string(want[i][1]), "] wanted)");
-    }
-  }
-  const int64_t n = static_decode_kernels::lengths(n_new, 1, op, "n_new").data_ptr<int64_t>()[0];
-  const int64_t old = static_decode_kernels::lengths(lens, 1, op, "lens").data_ptr<int64_t>()[0];
-  const int64_t after = static_decode_kernels::lengths(lens_after, 1, op, "lens_after").data_ptr<int64_t>()[0];
-  TORCH_CHECK(n == 0 || n == 1, "decode_layers: n_new ", n, " (one slot: 0 or 1)");
-  TORCH_CHECK(old >= 0 && old <= max_len - n, "decode_layers: lens ", old, " outside 0..", max_len - n,
-              " (the cache's rows for n_new ", n, ")");
-  TORCH_CHECK(after == old + n && after <= read_len, "decode_layers: lens_after ", after, " is not lens + n_new = ",
-              old + n, " within read_len ", read_len);
-  return mats;
-}
-
-at::Tensor run_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k, at::Tensor& v,
+at::Tensor run_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const Cache& cache,
                       const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after, int64_t read_len,
                       at::TensorList weights, at::TensorList scales, int64_t group, double eps,
                       at::IntArrayRef windows) {
   const auto quant =
-      check_layers(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, scales, group, windows);
+      check_layers(x, cos, sin, cache, lens, n_new, lens_after, read_len, weights, scales, group, windows);
   switch (x.scalar_type()) {
     case at::kFloat:
-      return layers<float>(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, quant, eps, windows);
+      return layers<float>(x, cos, sin, cache, lens, n_new, lens_after, read_len, weights, quant, eps, windows);
 #if defined(__AVX512BF16__)
     case at::kBFloat16:
-      return layers<at::BFloat16>(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, quant, eps,
+      return layers<at::BFloat16>(x, cos, sin, cache, lens, n_new, lens_after, read_len, weights, quant, eps,
                                   windows);
 #endif
     default: TORCH_CHECK(false, "decode_layers: model dtype ", x.scalar_type(), " is not supported here");
@@ -340,7 +299,7 @@ at::Tensor run_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
                          at::Tensor& v, const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after,
                          int64_t read_len, at::TensorList weights, double eps, at::IntArrayRef windows) {
-  return run_layers(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, {}, -1, eps, windows);
+  return run_layers(x, cos, sin, Cache{k, v}, lens, n_new, lens_after, read_len, weights, {}, -1, eps, windows);
 }
 
 // The same for quantized projections (static_decode/quant.py): `weights` holds each projection's codes (qweight) in
@@ -351,7 +310,20 @@ at::Tensor decode_layers_q(const at::Tensor& x, const at::Tensor& cos, const at:
                            int64_t read_len, at::TensorList weights, at::TensorList scales, int64_t group,
                            double eps, at::IntArrayRef windows) {
   TORCH_CHECK(group >= 0, "decode_layers_q: group ", group, " (0 for int8; 32, 64 or 128 for int4)");
-  return run_layers(x, cos, sin, k, v, lens, n_new, lens_after, read_len, weights, scales, group, eps, windows);
+  return run_layers(x, cos, sin, Cache{k, v}, lens, n_new, lens_after, read_len, weights, scales, group, eps,
+                    windows);
+}
+
+// Over an int8 cache: k/v its codes, k_scale/v_scale [L, 1, Hkv, max_len + 1] float32 its scales, both written at
+// the old length; float weights (group -1, no scales) or quantized ones (decode_layers_q's).
+at::Tensor decode_layers_kv8(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
+                             at::Tensor& v, at::Tensor& k_scale, at::Tensor& v_scale, const at::Tensor& lens,
+                             const at::Tensor& n_new, const at::Tensor& lens_after, int64_t read_len,
+                             at::TensorList weights, at::TensorList scales, int64_t group, double eps,
+                             at::IntArrayRef windows) {
+  TORCH_CHECK(group >= -1, "decode_layers_kv8: group ", group, " (-1 for float weights, 0 for int8, 32/64/128 int4)");
+  return run_layers(x, cos, sin, Cache{k, v, &k_scale, &v_scale}, lens, n_new, lens_after, read_len, weights, scales,
+                    group, eps, windows);
 }
 
 at::Tensor decode_layers_meta(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
@@ -368,6 +340,14 @@ at::Tensor decode_layers_q_meta(const at::Tensor& x, const at::Tensor& cos, cons
   return at::empty_like(x);
 }
 
+at::Tensor decode_layers_kv8_meta(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
+                                  at::Tensor& v, at::Tensor& k_scale, at::Tensor& v_scale, const at::Tensor& lens,
+                                  const at::Tensor& n_new, const at::Tensor& lens_after, int64_t read_len,
+                                  at::TensorList weights, at::TensorList scales, int64_t group, double eps,
+                                  at::IntArrayRef windows) {
+  return at::empty_like(x);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(static_decode_cpu, m) {
@@ -376,12 +356,17 @@ TORCH_LIBRARY_FRAGMENT(static_decode_cpu, m) {
   m.def("decode_layers_q(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor lens, Tensor n_new, "
         "Tensor lens_after, int read_len, Tensor[] weights, Tensor[] scales, int group, float eps, "
         "int[] windows=[]) -> Tensor");
+  m.def("decode_layers_kv8(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor(c!) k_scale, "
+        "Tensor(d!) v_scale, Tensor lens, Tensor n_new, Tensor lens_after, int read_len, Tensor[] weights, "
+        "Tensor[] scales, int group, float eps, int[] windows=[]) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(static_decode_cpu, CPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("decode_layers_q", &decode_layers_q);
+  m.impl("decode_layers_kv8", &decode_layers_kv8);
 }
 TORCH_LIBRARY_IMPL(static_decode_cpu, Meta, m) {
   m.impl("decode_layers", &decode_layers_meta);
   m.impl("decode_layers_q", &decode_layers_q_meta);
+  m.impl("decode_layers_kv8", &decode_layers_kv8_meta);
 }

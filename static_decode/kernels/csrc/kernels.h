@@ -15,6 +15,12 @@ namespace static_decode_kernels {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
                             const at::Tensor& n_new, int64_t slots, double scale, int64_t window);
 
+// decode_attention_int8.cpp: the same over an int8 cache, k/v [B, Hkv, S, d] int8 codes and k_scale/v_scale
+// [B, Hkv, S] float32 (value = code * scale; static_decode/core/kv_quant.py), read in place.
+at::Tensor decode_attention_int8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& lens,
+                                 const at::Tensor& n_new, int64_t slots, double scale, int64_t window);
+
 #if defined(__AVX512BF16__)
 // gemv_bf16.cpp: rows [n0, n1) of bfloat16 W [N, K] times the bfloat16 row x [K], float32 sums into y[n0..n1).
 void bf16_rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1, float* y);
