@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from static_decode.kernels import cpu_kernel
+
 MASK32 = 0xFFFFFFFF
 # lowbias32 (C. Wellons' hash-prospector): a 32-bit mixer with good avalanche. Both constants are split into
 # 16-bit halves for the multiply, so every product stays below 2**48 in int64.
@@ -137,7 +139,8 @@ def _kept(
     [B, V], and which rows sample (temperature > 0) [B]. min_p None: off.
 
     No sort: top-k keeps the tokens whose order key is at most the k-th smallest, top-p those whose more probable
-    tokens hold less than top_p of the mass, each threshold found by `_largest_key`. Tokens tied at a threshold
+    tokens hold less than top_p of the mass, each threshold found by `_largest_key` (on the CPU with the kernels
+    built: by csrc/sample_keys.cpp's ops, the same thresholds in three passes over the row). Tokens tied at a threshold
     are kept together (a sort would keep some of them by position)."""
     logits = logits.to(torch.float32)
     B = logits.shape[0]
@@ -156,15 +159,22 @@ def _kept(
     # the k-th best key: the smallest key b with at least k tokens at or before it, i.e. one past the largest b
     # with fewer than k before it
     # (counted in int32: V < 2**31, and inductor's int32 sum vectorizes where an int64 one is ~2x slower)
-    below_k = _largest_key(lambda b: (keys < b[:, None]).sum(dim=-1, dtype=torch.int32) < k[:, 0], B,
-                           logits.device)  # [B]
+    native = logits.device.type == "cpu" and cpu_kernel.available()  # a constant when a step is traced
+    if native:  # the same threshold in three passes over the row (csrc/sample_keys.cpp)
+        below_k = torch.ops.static_decode_cpu.top_k_key(keys, k[:, 0])  # [B]
+    else:
+        below_k = _largest_key(lambda b: (keys < b[:, None]).sum(dim=-1, dtype=torch.int32) < k[:, 0], B,
+                               logits.device)  # [B]
     scaled = _stored(scaled.masked_fill((k > 0) & (keys > below_k[:, None]), -torch.inf))  # [B, V]
     keys = _stored(_order_keys(scaled))  # [B, V]
     probs = _stored(scaled.softmax(dim=-1))  # [B, V]
     # Keep a token while the tokens strictly more probable than it hold less than top_p of the mass. The best
     # token is never dropped (mass before it is 0 < top_p).
     p = top_p[:, None]  # [B, 1]
-    last = _largest_key(lambda b: (probs * (keys < b[:, None])).sum(dim=-1) < p[:, 0], B, logits.device)  # [B]
+    if native:
+        last = torch.ops.static_decode_cpu.top_p_key(keys, probs, p[:, 0].to(torch.float32))  # [B]
+    else:
+        last = _largest_key(lambda b: (probs * (keys < b[:, None])).sum(dim=-1) < p[:, 0], B, logits.device)  # [B]
     return scaled.masked_fill((p < 1) & (keys > last[:, None]), -torch.inf), hot
 
 

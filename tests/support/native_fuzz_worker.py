@@ -1,9 +1,9 @@
 """The body of tests/kernels/test_native_fuzz.py, run in a subprocess of its own: a crash (a segfault, a SIGFPE, an
 abort) ends this process, not pytest's, and the test fails on its exit code.
 
-`python -m tests.support.native_fuzz_worker EXAMPLES [TRAIL [attention,layers,gemv,quant]]` draws EXAMPLES cases per
-op with hypothesis (derandomised: the same cases every run) over the CPU kernels' public ops and their wrappers: shapes
-(zero sizes included), dtypes, strides (rows padded, transposed), lengths anywhere (negative, past the cache,
+`python -m tests.support.native_fuzz_worker EXAMPLES [TRAIL [FAMILY,...]]` (attention, layers, gemv, quant, sampling)
+draws EXAMPLES cases per op with hypothesis (derandomised: the same cases every run) over the CPU kernels' public
+ops and their wrappers: shapes (zero sizes included), dtypes, strides (rows padded, transposed), lengths anywhere (negative, past the cache,
 10**9), element counts that do not match the batch. Each case states, independently of the kernels, whether the
 call is valid; the property: a valid call succeeds with the float64 reference's values (NaN where the reference has
 NaN) and writes only the slot it should; an invalid one raises a Python exception and leaves every tensor it was
@@ -26,6 +26,7 @@ from static_decode.core.reference import attention_vectorised
 from static_decode.kernels import cpu_kernel
 from tests.support.native_fuzz_quant import Harness, check_gemv_q_cases
 from tests.support.native_fuzz_quant_layers import check_layers_q_cases
+from tests.support.native_fuzz_sampling import check_sampling_cases
 
 OPS = torch.ops.static_decode_cpu
 KERNEL_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -338,11 +339,19 @@ def check_quantized() -> None:
     check_layers_q_cases(harness, examples, GUARD)
 
 
+def check_sampling() -> None:
+    """top_k_key and top_p_key (tests/support/native_fuzz_sampling.py), counted and traced here."""
+    harness = Harness(note, tally, guarded, same_bits, raises, length)
+    check_sampling_cases(harness, int(sys.argv[1]) if len(sys.argv) > 1 else 100)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     assert cpu_kernel.available(), "the CPU kernels did not build"
-    only = sys.argv[3].split(",") if len(sys.argv) > 3 else ["attention", "layers", "gemv", "quant"]
+    only = sys.argv[3].split(",") if len(sys.argv) > 3 else ["attention", "layers", "gemv", "quant", "sampling"]
+    families = {"attention": check_attention, "layers": check_layers, "gemv": check_gemv, "quant": check_quantized,
+                "sampling": check_sampling}
     for name in only:
-        {"attention": check_attention, "layers": check_layers, "gemv": check_gemv, "quant": check_quantized}[name]()
+        families[name]()
     for op, (ok, refused) in sorted(counts.items()):
         print(f"{op}: {ok} ran, {refused} refused")
