@@ -2,14 +2,14 @@
 abort) ends this process, not pytest's, and the test fails on its exit code.
 
 `python -m tests.support.native_fuzz_worker EXAMPLES [TRAIL [FAMILY,...]]` (attention, layers, gemv, quant, sampling)
-draws EXAMPLES cases per op with hypothesis (derandomised: the same cases every run) over the CPU kernels' public
-ops and their wrappers: shapes (zero sizes included), dtypes, strides (rows padded, transposed), lengths anywhere
-(negative, past the cache, 10**9), element counts that do not match the batch. Each case states, independently of the kernels, whether the
-call is valid; the property: a valid call succeeds with the float64 reference's values (NaN where the reference has
-NaN) and writes only the slot it should; an invalid one raises a Python exception and leaves every tensor it was
-given bit-identical, the guard rows around the cache included (an out-of-bounds write lands there). Prints one line
-per op with the counts; exit 0 when every case held. TRAIL, a file: each case is written there before it runs (the
-last line names the case that crashed).
+draws EXAMPLES cases per op with hypothesis (derandomised: the same cases every run) over the CPU kernels' public ops
+and their wrappers: shapes (zero sizes included), dtypes, strides (rows padded, transposed), lengths anywhere
+(negative, past the cache, 10**9), element counts that do not match the batch. Each case states, independently of the
+kernels, whether the call is valid; the property: a valid call succeeds with the float64 reference's values (NaN where
+the reference has NaN) and writes only the slot it should; an invalid one raises a Python exception and leaves every
+tensor it was given bit-identical, the guard rows around the cache included (an out-of-bounds write lands there).
+Prints one line per op with the counts; exit 0 when every case held. TRAIL, a file: each case is written there before
+it runs (the last line names the case that crashed).
 """
 
 from __future__ import annotations
