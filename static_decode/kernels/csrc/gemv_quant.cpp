@@ -61,7 +61,8 @@ constexpr int64_t kRows4 = 4;  // int4 rows per inner step
 constexpr int64_t kAhead = 8192;
 // The VNNI loops' (int8_block_vnni, int4_block_vnni), measured on the 3B shape's 8192 x 3072 weights: int8 at 4 rows
 // read at 0.93-0.98 of the bfloat16 GEMV's rate where 8 rows read at 0.8 (the widening loop's 8 stays best for it);
-// int4 at 2 rows and 4 KB ahead 0.88-0.94, at 4 rows 0.72 (profiles/RESULTS.md, "int8 dot products").
+// int4 at 2 rows and 4 KB ahead 0.88-0.94, at 4 rows 0.72 (profiles/RESULTS.md, "int8 dot products"). int8 prefetches
+// per row (at least kAhead bytes ahead), int4 one linear run kAhead4V ahead: each was the faster of the two for it.
 constexpr int64_t kRows8V = 4, kRows4V = 2, kAhead4V = 4096;
 
 inline float bf16_to_float(uint16_t b) {
@@ -141,7 +142,10 @@ void int8_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* y) 
   const int64_t K = x.K, body = K / 64;
   const int8_t* Q = static_cast<const int8_t*>(m.q) + n * K;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const char* ahead = reinterpret_cast<const char*>(Q) + kAhead;
+  // Each row's bytes are prefetched in the row rows_ahead further on, at the column this step reads: one stream per
+  // row as the loop consumes them (a linear run ahead of the block reached rows 2 and 3 after they were read).
+  const int64_t rows_ahead = std::max<int64_t>(R, (kAhead + K - 1) / K);
+  const char* ahead = reinterpret_cast<const char*>(Q + rows_ahead * K);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const auto chunk = [&](int64_t c, auto load) {
@@ -154,7 +158,7 @@ void int8_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* y) 
     }
   };
   for (int64_t c = 0; c < body; ++c) {
-    for (int r = 0; r < R; ++r) _mm_prefetch(ahead + (c * R + r) * 64, _MM_HINT_T0);  // this step's bytes, ahead
+    for (int r = 0; r < R; ++r) _mm_prefetch(ahead + r * K + c * 64, _MM_HINT_T0);
     chunk(c, [](const int8_t* p) { return _mm512_loadu_si512(p); });
   }
   if (body * 64 < K) {  // the last chunk's codes past K load as zero: 128 after the flip, times a zero row code
