@@ -63,6 +63,8 @@ constexpr int64_t kAhead = 8192;
 // read at 0.93-0.98 of the bfloat16 GEMV's rate where 8 rows read at 0.8 (the widening loop's 8 stays best for it);
 // int4 at 2 rows and 4 KB ahead 0.88-0.94, at 4 rows 0.72 (profiles/RESULTS.md, "int8 dot products"). int8 prefetches
 // per row (at least kAhead bytes ahead), int4 one linear run kAhead4V ahead: each was the faster of the two for it.
+// On two threads of this 2-vCPU machine the int4 loop is short of arithmetic, not of bytes (0.98 of bf16's rate on
+// one thread, 0.8 on two): at group 32 its scales are stored times the row block's d, one multiply fewer a chunk.
 constexpr int64_t kRows8V = 4, kRows4V = 2, kAhead4V = 4096;
 
 inline float bf16_to_float(uint16_t b) {
@@ -217,6 +219,11 @@ void quantize_row8(const float* x, int64_t K, int64_t group, QuantRow& row) {
       row.grp8[b * B / group] += row.d8[8 * b] * static_cast<float>(row.fix8[8 * b] / -16);
     row.a4d = row.d4.data();
     row.a8grp = row.grp8.data();
+    if (group == B) {  // group 32: each group is one block; its d (over 16 for the odd ones) for int4_scales
+      row.blk4.resize(K / B);
+      for (int64_t b = 0; b < K / B; ++b) row.blk4[b] = row.d4[8 * b];
+      row.a4blk = row.blk4.data();
+    }
   }
 }
 #endif
@@ -254,8 +261,11 @@ void int4_rows_float(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n
 #if defined(__AVX512BF16__)
 // Rows [n, n + R)'s int4 scales as float32 into sbuf [R, G] (broadcast from memory in the product loop), and each
 // row's offset term sum_g (z_g + zmul * s_g) * sums[g] into acc[r] (the row's sums per group, as its loop needs).
+// `dmul` (G values, or null): each scale is stored times it (int4_block_vnni at group 32: the row block's d, so its
+// loop multiplies once per chunk and row instead of twice).
 template <int R>
-void int4_scales(const QuantMat& m, int64_t n, int64_t G, const float* sums, float zmul, float* sbuf, __m512* acc) {
+void int4_scales(const QuantMat& m, int64_t n, int64_t G, const float* sums, float zmul, float* sbuf, __m512* acc,
+                 const float* dmul = nullptr) {
   const auto* S = static_cast<const uint16_t*>(m.s);  // (s, z) bfloat16 pairs [N, G]
   const __m512i zhalf = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   // The scales are a second stream, read here a row block at a time: prefetched kAhead / 4 bytes ahead (at group
@@ -271,7 +281,8 @@ void int4_scales(const QuantMat& m, int64_t n, int64_t G, const float* sums, flo
       const __m512i p = _mm512_maskz_loadu_epi32(mk, pairs + g);
       const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
       const __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(p, zhalf));
-      _mm512_mask_storeu_ps(sbuf + r * G + g, mk, sv);
+      _mm512_mask_storeu_ps(sbuf + r * G + g, mk,
+                            dmul == nullptr ? sv : _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(mk, dmul + g)));
       const __m512 zt = _mm512_fmadd_ps(sv, _mm512_set1_ps(zmul), zv);
       off = _mm512_fmadd_ps(zt, _mm512_maskz_loadu_ps(mk, sums + g), off);
     }
@@ -332,21 +343,21 @@ void int4_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbu
   const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8(static_cast<char>(0xF0)), 1);
   __m512 acc[R], dacc[R];
   for (int r = 0; r < R; ++r) dacc[r] = _mm512_setzero_ps();
-  int4_scales<R>(m, n, G, x.a8grp, -8.f, sbuf, acc);
+  int4_scales<R>(m, n, G, x.a8grp, -8.f, sbuf, acc, kGroup == 32 ? x.a4blk : nullptr);  // group 32: s * d
   const char* ahead = reinterpret_cast<const char*>(Q + n * half) + kAhead4V;
   for (int64_t c = 0; c < C; ++c) {
     _mm_prefetch(ahead + c * 32 * R, _MM_HINT_T0);  // the bytes this step consumes, kAhead further on
     if (R > 2) _mm_prefetch(ahead + c * 32 * R + 64, _MM_HINT_T0);
     const __m512i a = _mm512_loadu_si512(x.a8 + 64 * c);
-    const __m512 dv = _mm512_loadu_ps(x.a4d + 16 * c);
+    const __m512 dv = kGroup == 32 ? _mm512_setzero_ps() : _mm512_loadu_ps(x.a4d + 16 * c);  // group 32: in sbuf
     for (int r = 0; r < R; ++r) {
       const __m512i w = _mm512_and_si512(_mm512_broadcast_i64x4(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Q + (n + r) * half + 32 * c))), nib);
       const __m512 v = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a));
       const float* s = sbuf + r * G;
-      if constexpr (kGroup == 32) {
+      if constexpr (kGroup == 32) {  // s holds s * d: the block's d came in with the scales
         const __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[2 * c]), _mm512_set1_ps(s[2 * c + 1]));
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(v, dv), sv, acc[r]);
+        acc[r] = _mm512_fmadd_ps(v, sv, acc[r]);
       } else {
         dacc[r] = _mm512_fmadd_ps(v, dv, dacc[r]);
         if ((64 * (c + 1)) % kGroup == 0) {  // the group ends with this chunk
@@ -396,6 +407,7 @@ void static_decode_kernels::prepare_row(const float* x, int64_t K, int64_t group
   row.xb = row.b.data();
   row.xsum = row.sums.data();
   row.a8 = nullptr;
+  row.a4blk = nullptr;
 #if defined(__AVX512VNNI__)
   if (int8) quantize_row8(row.xf, K, group, row);
 #else

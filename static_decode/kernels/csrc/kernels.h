@@ -47,7 +47,8 @@ struct QuantRow {  // the row x [K] as the products read it: prepare_row
   const int32_t* a8fix = nullptr;
   const float* a4d = nullptr;    // int4: a8d with the upper 8 lanes of each chunk over 16
   const float* a8grp = nullptr;  // int4: per group, the sum over its blocks of d * (sum of the block's codes)
-  std::vector<float> f, sums, d8, d4, grp8;
+  const float* a4blk = nullptr;  // int4 group 32: each block's d (over 16 for the odd blocks, as a4d has them)
+  std::vector<float> f, sums, d8, d4, grp8, blk4;
   std::vector<uint16_t> b;
   std::vector<int8_t> q8;
   std::vector<int32_t> fix8;
