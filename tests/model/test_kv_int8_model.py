@@ -91,9 +91,16 @@ def test_compiled_steps_run_the_fused_layers_over_an_int8_cache(int8) -> None:
     assert sum(1 for e in prof.events() if "decode_layers_kv8" in e.name) == 2  # the steps after the first token
     compiled.generate(prompt, 16, stop_at_eos=False)
     n = int(compiled.cache.lens[0])
+    # The compiled and fused layers sum in another order than eager's: float32 rounding apart, which a code's
+    # rounding can turn into a code one off (and later layers see those codes). Layer 0's inputs are the same.
     for name in ("k_scale", "v_scale"):
-        got, want = getattr(compiled.cache, name)[..., :n], getattr(eager.cache, name)[..., :n]
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        got, want = getattr(compiled.cache, name)[..., :n], getattr(eager.cache, name)[..., :n]  # [L, 1, Hkv, n]
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-6)
+    for name in ("k", "v"):
+        got, want = (getattr(c.cache, name)[..., :n, :].int() for c in (compiled, eager))  # [L, 1, Hkv, n, d]
+        assert (got[0] - want[0]).abs().max() <= 1 and (got - want).abs().max() <= 1
+        assert (got != want).float().mean() < 0.03, f"{name}: {(got != want).sum()} codes of {got.numel()} differ"
 
 
 def test_kv_bytes_are_exact_and_about_half_of_bfloat16(int8) -> None:
