@@ -94,10 +94,10 @@ inline void scores(const float* q, int64_t M, const float* kb, int64_t n, int64_
 
 // acc[row] = alpha[row] * acc[row] + sum_j p[row][j] * v[j] for the R rows of a group at once (r <= R used): each
 // value row is loaded once for the whole group (`value(j, x)`: the x-th float vector of value row j), R x NX
-// accumulators held in registers (R * NX <= 24).
+// accumulators held in registers (R * NX <= 24); `next` fetches the next block's rows as it goes.
 template <int NX, int R, typename Value>
 inline void accumulate_rows(const int64_t* rows, int64_t r, float* acc, const float* alpha, const float* s, int64_t n,
-                            Value value) {
+                            Value value, const NextRows& next) {
   constexpr int64_t d = NX * Vec::size();
   Vec a[R][NX];
   for (int i = 0; i < R; ++i) {
@@ -105,6 +105,7 @@ inline void accumulate_rows(const int64_t* rows, int64_t r, float* acc, const fl
     for (int x = 0; x < NX; ++x) a[i][x] = Vec::loadu(acc + rows[i] * d + x * Vec::size()) * Vec(alpha[rows[i]]);
   }
   for (int64_t j = 0; j < n; ++j) {
+    next(j);
     Vec vr[NX];
     for (int x = 0; x < NX; ++x) vr[x] = value(j, x);
     for (int i = 0; i < R; ++i) {
@@ -193,8 +194,10 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
     const float* vb = float_rows<T>(v + j0 * vs, vs, n, d, vbuf);
     const auto value = [&](int64_t j, int x) { return Vec::loadu(vb + j * d + x * Vec::size()); };
 #endif
-    for (int64_t g = 0; g < na; g += R)
-      accumulate_rows<NX, R>(active + g, std::min<int64_t>(R, na - g), acc, alpha, s, n, value);
+    const NextRows next = next_rows(k, ks, v, vs, j0, s1, d * static_cast<int64_t>(sizeof(T)));
+    for (int64_t g = 0; g < na; g += R)  // the first group's pass fetches the next block
+      accumulate_rows<NX, R>(active + g, std::min<int64_t>(R, na - g), acc, alpha, s, n, value,
+                             g == 0 ? next : NextRows{});
   }
 }
 

@@ -98,6 +98,7 @@ void item_int8(const float* q, int64_t M, const int8_t* k, int64_t ks, const flo
       if (first != nullptr && first[m] > j0) std::fill(sm, sm + std::min(n, first[m] - j0), kNegInf);
       std::fill(sm + n, sm + nv, kNegInf);
     }
+    NextRows next = next_rows(k, ks, v, vs, j0, s1, d);  // fetched during the first summed row's pass
     for (int64_t m = 0; m < M; ++m) {
       float* sm = s + m * kBlock;
       Vec top(kNegInf);
@@ -123,12 +124,14 @@ void item_int8(const float* q, int64_t M, const int8_t* k, int64_t ks, const flo
       Vec a[NX];
       for (int x = 0; x < NX; ++x) a[x] = Vec::loadu(am + x * Vec::size()) * Vec(alpha);
       for (int64_t j = 0; j < n; ++j) {
+        next(j);
         if (sm[j] == 0.f) continue;  // masked (or underflowed) keys add nothing; their rows need not be read
         const Vec p(sm[j] * vsc[j0 + j]);
         const int8_t* vr = v + (j0 + j) * vs;
         for (int x = 0; x < NX; ++x) a[x] = at::vec::fmadd(p, codes_vec(vr + x * Vec::size()), a[x]);
       }
       for (int x = 0; x < NX; ++x) a[x].store(am + x * Vec::size());
+      next = NextRows{};
     }
   }
 }

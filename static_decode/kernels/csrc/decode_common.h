@@ -19,6 +19,36 @@ constexpr int64_t kMaxD = 256;  // the largest head_dim with code (checks.h's kH
 // The oldest key the query at `pos` sees through a window of `window` keys (pos - window < j), at least 0.
 inline int64_t window_start(int64_t pos, int64_t window) { return std::max<int64_t>(0, pos - window + 1); }
 
+// The next block's key and value rows of a work item, fetched into L1 one key at a time while the current block's
+// values are summed (`(*this)(j)` once per key j of that loop): spread over the arithmetic, the loads arrive in time,
+// where the hardware prefetcher alone left the value pass waiting on memory (profiles/RESULTS.md). Keys past the
+// item's end are never touched.
+struct NextRows {
+  const char* k = nullptr;  // the next block's first key row (bytes)
+  const char* v = nullptr;  // and value row
+  int64_t k_stride = 0, v_stride = 0;  // bytes between rows
+  int64_t rows = 0;  // rows of the next block inside the item (0: none, or not this caller's to fetch)
+  int64_t row_bytes = 0;  // bytes of one row (head_dim x element size)
+
+  void operator()(int64_t j) const {
+    if (j >= rows) return;
+    for (int64_t x = 0; x < row_bytes; x += 64) {
+      __builtin_prefetch(k + j * k_stride + x, 0, 3);
+      __builtin_prefetch(v + j * v_stride + x, 0, 3);
+    }
+  }
+};
+
+// The NextRows of the block after [j0, j0 + kBlock) of an item ending at s1, over rows of `row_bytes`.
+template <typename T>
+inline NextRows next_rows(const T* k, int64_t ks, const T* v, int64_t vs, int64_t j0, int64_t s1, int64_t row_bytes) {
+  const int64_t start = j0 + kBlock;
+  const int64_t rows = std::clamp<int64_t>(s1 - start, 0, kBlock);
+  if (rows == 0) return {};
+  return {reinterpret_cast<const char*>(k + start * ks), reinterpret_cast<const char*>(v + start * vs),
+          ks * static_cast<int64_t>(sizeof(T)), vs * static_cast<int64_t>(sizeof(T)), rows, row_bytes};
+}
+
 // Combine the splits into out (q's dtype O, written here: no float32 copy of q or of the output is allocated):
 // out = sum_c e^(mx_c - top) acc_c / sum_c e^(mx_c - top) l_c; no visible key: zeros.
 template <typename O>
