@@ -92,35 +92,6 @@ inline void scores(const float* q, int64_t M, const float* kb, int64_t n, int64_
   }
 }
 
-// acc[row] = alpha[row] * acc[row] + sum_j p[row][j] * v[j] for the R rows of a group at once (r <= R used): each
-// value row is loaded once for the whole group (`value(j, x)`: the x-th float vector of value row j), R x NX
-// accumulators held in registers (R * NX <= 24); `next` fetches the next block's rows as it goes.
-template <int NX, int R, typename Value>
-inline void accumulate_rows(const int64_t* rows, int64_t r, float* acc, const float* alpha, const float* s, int64_t n,
-                            Value value, const NextRows& next) {
-  constexpr int64_t d = NX * Vec::size();
-  Vec a[R][NX];
-  for (int i = 0; i < R; ++i) {
-    if (i >= r) break;
-    for (int x = 0; x < NX; ++x) a[i][x] = Vec::loadu(acc + rows[i] * d + x * Vec::size()) * Vec(alpha[rows[i]]);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    next(j);
-    Vec vr[NX];
-    for (int x = 0; x < NX; ++x) vr[x] = value(j, x);
-    for (int i = 0; i < R; ++i) {
-      if (i >= r) break;
-      const Vec p(s[rows[i] * kBlock + j]);
-      for (int x = 0; x < NX; ++x) a[i][x] = at::vec::fmadd(p, vr[x], a[i][x]);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    if (i >= r) break;
-    for (int x = 0; x < NX; ++x) a[i][x].store(acc + rows[i] * d + x * Vec::size());
-  }
-}
-
-
 // One work item: keys [s0, s1) of KV head (b, h) for its M query rows; leaves the unnormalised output acc [M, d],
 // the running max mx [M] and sum l [M] (l == 0: no visible key in this split).
 // first: each row's oldest visible key (a sliding window), or nullptr (every key from 0).

@@ -6,7 +6,7 @@
 //   float32 queries, and each key's score is then multiplied by its scale: q . (c_j * s_j) = (q . c_j) * s_j, so
 //   no dequantized copy of the cache exists anywhere, only one block's widened rows in L1.
 // - V: each softmax weight is multiplied by its value row's scale after the row sums are taken (the sums are of the
-//   weights themselves), and the code rows are widened in registers as they are accumulated.
+//   weights themselves), and each code row is widened in registers once for all the KV head's query rows.
 //
 // Masking and the window are decode_attention.cpp's: keys past a row's visible prefix and before its window's
 // first key are never read; a padded slot returns exact zeros. Built on first use by static_decode/cpu_kernel.py.
@@ -98,7 +98,9 @@ void item_int8(const float* q, int64_t M, const int8_t* k, int64_t ks, const flo
       if (first != nullptr && first[m] > j0) std::fill(sm, sm + std::min(n, first[m] - j0), kNegInf);
       std::fill(sm + n, sm + nv, kNegInf);
     }
-    NextRows next = next_rows(k, ks, v, vs, j0, s1, d);  // fetched during the first summed row's pass
+    float alpha[kMaxRows];
+    int64_t active[kMaxRows];
+    int64_t na = 0;  // rows with a visible key in this block
     for (int64_t m = 0; m < M; ++m) {
       float* sm = s + m * kBlock;
       Vec top(kNegInf);
@@ -110,29 +112,27 @@ void item_int8(const float* q, int64_t M, const int8_t* k, int64_t ks, const flo
       }
       if (block_max == kNegInf) continue;  // no visible key in this block for this row
       const float new_max = std::max(mx[m], block_max);
-      const float alpha = std::exp(mx[m] - new_max);
+      alpha[m] = std::exp(mx[m] - new_max);
       Vec sum(0.f);
       for (int64_t j = 0; j < nv; j += Vec::size()) {
         const Vec e = (Vec::loadu(sm + j) - Vec(new_max)).exp_u20();
-        e.store(sm + j);
         sum = sum + e;
+        const int64_t c = std::min<int64_t>(Vec::size(), n - j);  // j < n: no scale past the item is read
+        const Vec sv = c == Vec::size() ? Vec::loadu(vsc + j0 + j) : Vec::loadu(vsc + j0 + j, c);
+        (e * sv).store(sm + j);  // the value's scale on its weight, after the sum
       }
-      l[m] = l[m] * alpha + sum.reduce_add();
+      l[m] = l[m] * alpha[m] + sum.reduce_add();
       mx[m] = new_max;
-      // acc = alpha * acc + sum_j (p_j * vscale_j) * codes_j: the value's scale on its weight, after the sum.
-      float* am = acc + m * d;
-      Vec a[NX];
-      for (int x = 0; x < NX; ++x) a[x] = Vec::loadu(am + x * Vec::size()) * Vec(alpha);
-      for (int64_t j = 0; j < n; ++j) {
-        next(j);
-        if (sm[j] == 0.f) continue;  // masked (or underflowed) keys add nothing; their rows need not be read
-        const Vec p(sm[j] * vsc[j0 + j]);
-        const int8_t* vr = v + (j0 + j) * vs;
-        for (int x = 0; x < NX; ++x) a[x] = at::vec::fmadd(p, codes_vec(vr + x * Vec::size()), a[x]);
-      }
-      for (int x = 0; x < NX; ++x) a[x].store(am + x * Vec::size());
-      next = NextRows{};
+      active[na++] = m;
     }
+    // acc = alpha * acc + sum_j (p_j * vscale_j) * codes_j, every active row at once: each code row widened once.
+    const int8_t* vj = v + j0 * vs;
+    const auto value = [&](int64_t j, int x) { return codes_vec(vj + j * vs + x * Vec::size()); };
+    const NextRows next = next_rows(k, ks, v, vs, j0, s1, d);
+    constexpr int R = NX >= 24 ? 1 : 24 / NX;  // query rows accumulated together
+    for (int64_t g = 0; g < na; g += R)  // the first group's pass fetches the next block
+      accumulate_rows<NX, R>(active + g, std::min<int64_t>(R, na - g), acc, alpha, s, n, value,
+                             g == 0 ? next : NextRows{});
   }
 }
 

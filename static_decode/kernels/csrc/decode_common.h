@@ -5,6 +5,8 @@
 
 #include "attention_avx512.h"
 
+#include <ATen/cpu/vec/vec.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -47,6 +49,34 @@ inline NextRows next_rows(const T* k, int64_t ks, const T* v, int64_t vs, int64_
   if (rows == 0) return {};
   return {reinterpret_cast<const char*>(k + start * ks), reinterpret_cast<const char*>(v + start * vs),
           ks * static_cast<int64_t>(sizeof(T)), vs * static_cast<int64_t>(sizeof(T)), rows, row_bytes};
+}
+
+// acc[row] = alpha[row] * acc[row] + sum_j p[row][j] * v[j] for the R rows of a group at once (r <= R used): each
+// value row is loaded once for the whole group (`value(j, x)`: the x-th float vector of value row j), R x NX
+// accumulators held in registers (R * NX <= 24); `next` fetches the next block's rows as it goes.
+template <int NX, int R, typename Value>
+inline void accumulate_rows(const int64_t* rows, int64_t r, float* acc, const float* alpha, const float* s, int64_t n,
+                            Value value, const NextRows& next) {
+  constexpr int64_t d = NX * Vec::size();
+  Vec a[R][NX];
+  for (int i = 0; i < R; ++i) {
+    if (i >= r) break;
+    for (int x = 0; x < NX; ++x) a[i][x] = Vec::loadu(acc + rows[i] * d + x * Vec::size()) * Vec(alpha[rows[i]]);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    next(j);
+    Vec vr[NX];
+    for (int x = 0; x < NX; ++x) vr[x] = value(j, x);
+    for (int i = 0; i < R; ++i) {
+      if (i >= r) break;
+      const Vec p(s[rows[i] * kBlock + j]);
+      for (int x = 0; x < NX; ++x) a[i][x] = at::vec::fmadd(p, vr[x], a[i][x]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    if (i >= r) break;
+    for (int x = 0; x < NX; ++x) a[i][x].store(acc + rows[i] * d + x * Vec::size());
+  }
 }
 
 // Combine the splits into out (q's dtype O, written here: no float32 copy of q or of the output is allocated):

@@ -62,10 +62,22 @@ constexpr int64_t kAhead = 8192;
 // The VNNI loops' (int8_block_vnni, int4_block_vnni), measured on the 3B shape's 8192 x 3072 weights: int8 at 4 rows
 // read at 0.93-0.98 of the bfloat16 GEMV's rate where 8 rows read at 0.8 (the widening loop's 8 stays best for it);
 // int4 at 2 rows and 4 KB ahead 0.88-0.94, at 4 rows 0.72 (profiles/RESULTS.md, "int8 dot products"). int8 prefetches
-// per row (at least kAhead bytes ahead), int4 one linear run kAhead4V ahead: each was the faster of the two for it.
+// per row (at least kAhead bytes ahead), int4 one linear run ahead (int4_plan): each was the faster of the two for it.
 // On two threads of this 2-vCPU machine the int4 loop is short of arithmetic, not of bytes (0.98 of bf16's rate on
 // one thread, 0.8 on two): at group 32 its scales are stored times the row block's d, one multiply fewer a chunk.
-constexpr int64_t kRows8V = 4, kRows4V = 2, kAhead4V = 4096;
+constexpr int64_t kRows8V = 4;
+
+// int4_block_vnni's rows per step and prefetch distance differ by CPU: on the AMX Xeon 2 rows 4 KB ahead were the
+// fastest (3 rows 0.86x, 4 rows 0.83x of it); on a Zen 5 the 2-row loop runs short of independent work and 3 rows
+// 8 KB ahead read 1.1-1.4x faster (profiles/RESULTS.md, "int4 rows per step by CPU"). AMD's cores take 3.
+struct Int4Plan {
+  int rows;
+  int64_t ahead;  // bytes
+};
+inline Int4Plan int4_plan() {
+  static const Int4Plan plan = __builtin_cpu_is("amd") ? Int4Plan{3, 8192} : Int4Plan{2, 4096};
+  return plan;
+}
 
 inline float bf16_to_float(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -337,14 +349,14 @@ void int4_block(const QuantMat& m, const QuantRow& x, int64_t n, float* sbuf, fl
 // their scale a4d takes back), scaled by the block's d and the group's s. The offset term (z - 8 s) times the row's
 // sum per group (a8grp: sum over its blocks of d * sum of codes) comes from int4_scales.
 template <int kGroup, int R>
-void int4_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbuf, float* y) {
+void int4_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbuf, float* y, int64_t ahead_bytes) {
   const int64_t K = x.K, G = K / kGroup, half = K / 2, C = K / 64;
   const auto* Q = static_cast<const uint8_t*>(m.q);
   const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8(static_cast<char>(0xF0)), 1);
   __m512 acc[R], dacc[R];
   for (int r = 0; r < R; ++r) dacc[r] = _mm512_setzero_ps();
   int4_scales<R>(m, n, G, x.a8grp, -8.f, sbuf, acc, kGroup == 32 ? x.a4blk : nullptr);  // group 32: s * d
-  const char* ahead = reinterpret_cast<const char*>(Q + n * half) + kAhead4V;
+  const char* ahead = reinterpret_cast<const char*>(Q + n * half) + ahead_bytes;
   for (int64_t c = 0; c < C; ++c) {
     _mm_prefetch(ahead + c * 32 * R, _MM_HINT_T0);  // the bytes this step consumes, kAhead further on
     if (R > 2) _mm_prefetch(ahead + c * 32 * R + 64, _MM_HINT_T0);
@@ -377,8 +389,11 @@ void int4_rows_bf16(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1
   int64_t n = n0;
 #if defined(__AVX512VNNI__)
   if (x.a8 != nullptr) {
-    for (; n + kRows4V <= n1; n += kRows4V) int4_block_vnni<kGroup, kRows4V>(m, x, n, sbuf.data(), y);
-    for (; n < n1; ++n) int4_block_vnni<kGroup, 1>(m, x, n, sbuf.data(), y);
+    const Int4Plan plan = int4_plan();
+    if (plan.rows == 3)
+      for (; n + 3 <= n1; n += 3) int4_block_vnni<kGroup, 3>(m, x, n, sbuf.data(), y, plan.ahead);
+    for (; n + 2 <= n1; n += 2) int4_block_vnni<kGroup, 2>(m, x, n, sbuf.data(), y, plan.ahead);
+    for (; n < n1; ++n) int4_block_vnni<kGroup, 1>(m, x, n, sbuf.data(), y, plan.ahead);
     return;
   }
 #endif
