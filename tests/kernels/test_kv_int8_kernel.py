@@ -46,6 +46,21 @@ def test_kernel_equals_the_reference_over_the_dequantized_cache(d: int, T: int, 
     assert not out[2].any()
 
 
+@pytest.mark.parametrize("d", [x for x in cpu_kernel.head_dims() if x % 32 == 0][:3] + [128])
+@pytest.mark.parametrize("T, window", [(1, None), (3, 200)])
+def test_bfloat16_queries_over_many_blocks_equal_the_reference(d: int, T: int, window: int | None) -> None:
+    """bfloat16 queries score the codes converted to bfloat16 (exact) by AVX512-BF16 dot products where the CPU
+    has them: the same softmax over the same keys as the float64 reference, to the output's bfloat16 rounding."""
+    B, hkv, G, S = 2, 2, 3, 700
+    (k, v), (ks, vs) = _cache(B, hkv, S, d, seed=2 * d + T)
+    lens, n_new = torch.tensor([690, 333]), torch.tensor([T, T])
+    q = torch.randn(B, hkv * G, T, d, generator=torch.Generator().manual_seed(d)).to(torch.bfloat16)
+    out = cpu_kernel.decode_attention_int8(q, k, v, ks, vs, lens, n_new, window=window)
+    kf, vf = (kv_quant.dequantize(c, s).double().numpy() for c, s in ((k, ks), (v, vs)))
+    want = attention_vectorised(q.double().numpy(), kf, vf, lens.numpy(), n_new.numpy(), window)
+    np.testing.assert_allclose(out.double().numpy(), want, atol=4e-3, rtol=8e-3)  # bfloat16: 2^-8 relative
+
+
 def test_bfloat16_queries_come_back_in_bfloat16() -> None:
     (k, v), (ks, vs) = _cache(1, 2, 64, 64, seed=4)
     q = torch.randn(1, 4, 1, 64).to(torch.bfloat16)

@@ -93,7 +93,8 @@ inline void scores16(const float* q, int64_t M, const float* kb, int64_t n, int6
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-// scores16 for bfloat16 queries over a bfloat16 cache: AVX512-BF16's dot product takes 32 query x key products a
+// scores16 for bfloat16 queries over bfloat16 key rows (k: the block's first, rows ks apart; the cache's own, or an
+// int8 cache's codes converted, exactly): AVX512-BF16's dot product takes 32 query x key products a
 // step straight from the cache's rows (no widening to float32, no scratch copy). The products are exact in float32;
 // only the order of the float32 sums differs from the float32 path.
 template <int NX>
@@ -105,7 +106,7 @@ inline void scores16_bf16(const float* q, int64_t M, const at::BFloat16* k, int6
     std::array<__m512bh, NB> qm;  // the query row back in bfloat16: exact, it was bfloat16 before the float32 copy
     for (int x = 0; x < NB; ++x)
       qm[x] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + m * d + x * 32 + 16), _mm512_loadu_ps(q + m * d + x * 32));
-    const at::BFloat16* kj = k + j0 * ks;
+    const at::BFloat16* kj = k;  // the block's first key row
     return [=](int64_t jb, int64_t cnt, auto tail) {
       return dots16<decltype(tail)::value>(cnt, [&](int j) {
         __m512 a = _mm512_setzero_ps();

@@ -114,7 +114,7 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, at::BFloat16> && NX % 2 == 0) {
       if (bf16_q) {
-        scores16_bf16<NX>(q, M, k, ks, n, j0, limit, scale, s);
+        scores16_bf16<NX>(q, M, k + j0 * ks, ks, n, j0, limit, scale, s);
         scored = true;
       }
     }

@@ -4,7 +4,9 @@
 //
 // - K: a block's code rows are widened to float32 (in registers on AVX-512, 16 codes a load) and scored against the
 //   float32 queries, and each key's score is then multiplied by its scale: q . (c_j * s_j) = (q . c_j) * s_j, so
-//   no dequantized copy of the cache exists anywhere, only one block's widened rows in L1.
+//   no dequantized copy of the cache exists anywhere, only one block's widened rows in L1. With bfloat16 queries
+//   on a CPU with AVX512-BF16 the rows are converted to bfloat16 instead (exact for codes) and scored by its dot
+//   products, as a bfloat16 cache is: half the scratch and half the multiply instructions.
 // - V: each softmax weight is multiplied by its value row's scale after the row sums are taken (the sums are of the
 //   weights themselves), and each code row is widened in registers once for all the KV head's query rows.
 //
@@ -77,10 +79,25 @@ inline void code_scores(const float* q, int64_t M, const float* kb, int64_t n, i
 
 // One work item (decode_attention.cpp's split_item over int8 codes): keys [s0, s1) of one KV head; ksc / vsc the
 // keys' and values' scales (contiguous along the keys). Leaves acc [M, d], mx [M], l [M].
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// n code rows (row stride `stride`) as bfloat16 rows of d into scratch: exact (|code| <= 127 < 2^8), half the
+// scratch of float32 rows, and scored by AVX512-BF16 dot products, 32 products an instruction.
 template <int NX>
-void item_int8(const float* q, int64_t M, const int8_t* k, int64_t ks, const float* ksc, const int8_t* v, int64_t vs,
-               const float* vsc, int64_t s0, int64_t s1, const int64_t* limit, const int64_t* first, float scale,
-               float* acc, float* mx, float* l) {
+inline const at::BFloat16* bf16_rows(const int8_t* src, int64_t stride, int64_t n, at::BFloat16* scratch) {
+  constexpr int64_t d = NX * 16;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t x = 0; x < d; x += 32) {
+      const __m512 lo = codes_vec(src + j * stride + x), hi = codes_vec(src + j * stride + x + 16);
+      _mm512_storeu_si512(scratch + j * d + x, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  return scratch;
+}
+#endif
+
+template <int NX>
+void item_int8(const float* q, bool bf16_q, int64_t M, const int8_t* k, int64_t ks, const float* ksc, const int8_t* v,
+               int64_t vs, const float* vsc, int64_t s0, int64_t s1, const int64_t* limit, const int64_t* first,
+               float scale, float* acc, float* mx, float* l) {
   constexpr int64_t d = NX * Vec::size();
   alignas(64) float kbuf[kBlock * d];
   alignas(64) float s[kMaxRows * kBlock];
@@ -90,7 +107,17 @@ void item_int8(const float* q, int64_t M, const int8_t* k, int64_t ks, const flo
   for (int64_t j0 = s0; j0 < s1; j0 += kBlock) {
     const int64_t n = std::min(kBlock, s1 - j0);
     const int64_t nv = (n + Vec::size() - 1) / Vec::size() * Vec::size();
-    code_scores<NX>(q, M, widen_rows(k + j0 * ks, ks, n, d, kbuf), n, j0, limit, scale, s);
+    bool scored = false;  // bfloat16 queries: by AVX512-BF16 dot products over the codes converted once
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+    if constexpr (NX % 2 == 0) {
+      if (bf16_q) {
+        auto* kb16 = reinterpret_cast<at::BFloat16*>(kbuf);  // kBlock * d bfloat16 values: half of kbuf
+        scores16_bf16<NX>(q, M, bf16_rows<NX>(k + j0 * ks, ks, n, kb16), d, n, j0, limit, scale, s);
+        scored = true;
+      }
+    }
+#endif
+    if (!scored) code_scores<NX>(q, M, widen_rows(k + j0 * ks, ks, n, d, kbuf), n, j0, limit, scale, s);
     for (int64_t m = 0; m < M; ++m) {
       float* sm = s + m * kBlock;
       const int64_t visible = std::clamp<int64_t>(limit[m] - j0, 0, n);
@@ -137,7 +164,7 @@ void item_int8(const float* q, int64_t M, const int8_t* k, int64_t ks, const flo
 }
 
 template <int NX>
-void attend_int8(const float* qp, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kscale,
+void attend_int8(const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kscale,
                  const at::Tensor& vscale, const int64_t* lens, const int64_t* n_new, int64_t window, int64_t B,
                  int64_t H, int64_t M, int64_t slots, int64_t nsplit, int64_t split, float scale, float* part) {
   constexpr int64_t d = NX * Vec::size();
@@ -160,7 +187,7 @@ void attend_int8(const float* qp, const at::Tensor& k, const at::Tensor& v, cons
       }
       const int64_t lo = window > 0 ? window_start(lens[b] - n_new[b], window) : 0;
       float* acc = part + item * M * (d + 2);
-      item_int8<NX>(qp + (b * H + h) * M * d, M, kp + b * k.stride(0) + h * k.stride(1), k.stride(2),
+      item_int8<NX>(qp + (b * H + h) * M * d, bf16_q, M, kp + b * k.stride(0) + h * k.stride(1), k.stride(2),
                     kscp + b * kscale.stride(0) + h * kscale.stride(1), vp + b * v.stride(0) + h * v.stride(1),
                     v.stride(2), vscp + b * vscale.stride(0) + h * vscale.stride(1), lo + c * split,
                     std::min(visible, lo + (c + 1) * split), limit, window > 0 ? first : nullptr, scale, acc,
@@ -170,7 +197,7 @@ void attend_int8(const float* qp, const at::Tensor& k, const at::Tensor& v, cons
 }
 
 template <int... Ds>
-bool dispatch_int8(std::integer_sequence<int, Ds...>, int64_t d, const float* qp, const at::Tensor& k,
+bool dispatch_int8(std::integer_sequence<int, Ds...>, int64_t d, const float* qp, bool bf16_q, const at::Tensor& k,
                    const at::Tensor& v, const at::Tensor& ks, const at::Tensor& vs, const int64_t* lens,
                    const int64_t* n_new, int64_t window, int64_t B, int64_t H, int64_t M, int64_t slots,
                    int64_t nsplit, int64_t split, float scale, float* part) {
@@ -178,7 +205,7 @@ bool dispatch_int8(std::integer_sequence<int, Ds...>, int64_t d, const float* qp
     constexpr int D = decltype(dim)::value;
     if constexpr (D % Vec::size() == 0) {
       if (d == D) {
-        attend_int8<D / Vec::size()>(qp, k, v, ks, vs, lens, n_new, window, B, H, M, slots, nsplit, split, scale,
+        attend_int8<D / Vec::size()>(qp, bf16_q, k, v, ks, vs, lens, n_new, window, B, H, M, slots, nsplit, split, scale,
                                      part);
         return true;
       }
@@ -211,7 +238,8 @@ at::Tensor decode_attention_int8(const at::Tensor& q, const at::Tensor& k, const
     const scalar_t* src = qc.data_ptr<scalar_t>();
     for (int64_t i = 0; i < qc.numel(); ++i) qf[i] = static_cast<float>(src[i]);
   });
-  const bool done = dispatch_int8(HeadDims{}, d, qf, k, v, k_scale, v_scale, lp, np, window, B, H, M, slots, nsplit,
+  const bool bf16_q = qc.scalar_type() == at::kBFloat16;  // its float32 copy goes back to bfloat16 exactly
+  const bool done = dispatch_int8(HeadDims{}, d, qf, bf16_q, k, v, k_scale, v_scale, lp, np, window, B, H, M, slots, nsplit,
                                   split, static_cast<float>(scale), part);
   TORCH_CHECK(done, op, ": no code for head_dim ", d);  // checked above
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "decode_attention_int8_out", [&] {
