@@ -69,7 +69,7 @@ constexpr int64_t kRows8V = 4;
 
 // int4_block_vnni's rows per step and prefetch distance differ by CPU: on the AMX Xeon 2 rows 4 KB ahead were the
 // fastest (3 rows 0.86x, 4 rows 0.83x of it); on a Zen 5 the 2-row loop runs short of independent work and 3 rows
-// 8 KB ahead read 1.1-1.4x faster (profiles/RESULTS.md, "int4 rows per step by CPU"). AMD's cores take 3.
+// 8 KB ahead read 1.1-1.4x faster (profiles/RESULTS.md, "the quantized products on Zen 5"). AMD's cores take 3.
 struct Int4Plan {
   int rows;
   int64_t ahead;  // bytes
