@@ -104,7 +104,7 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
   std::fill(acc, acc + M * d, 0.f);
   std::fill(mx, mx + M, kNegInf);
   std::fill(l, l + M, 0.f);
-  constexpr int R = NX >= 24 ? 1 : 24 / NX;  // query rows accumulated together
+  constexpr int R = group_rows<NX>;
   float alpha[kMaxRows];
   int64_t active[kMaxRows];
   for (int64_t j0 = s0; j0 < s1; j0 += kBlock) {

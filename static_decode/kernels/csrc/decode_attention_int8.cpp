@@ -77,8 +77,6 @@ inline void code_scores(const float* q, int64_t M, const float* kb, int64_t n, i
 #endif
 }
 
-// One work item (decode_attention.cpp's split_item over int8 codes): keys [s0, s1) of one KV head; ksc / vsc the
-// keys' and values' scales (contiguous along the keys). Leaves acc [M, d], mx [M], l [M].
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 // n code rows (row stride `stride`) as bfloat16 rows of d into scratch: exact (|code| <= 127 < 2^8), half the
 // scratch of float32 rows, and scored by AVX512-BF16 dot products, 32 products an instruction.
@@ -94,6 +92,8 @@ inline const at::BFloat16* bf16_rows(const int8_t* src, int64_t stride, int64_t 
 }
 #endif
 
+// One work item (decode_attention.cpp's split_item over int8 codes): keys [s0, s1) of one KV head; ksc / vsc the
+// keys' and values' scales (contiguous along the keys). Leaves acc [M, d], mx [M], l [M].
 template <int NX>
 void item_int8(const float* q, bool bf16_q, int64_t M, const int8_t* k, int64_t ks, const float* ksc, const int8_t* v,
                int64_t vs, const float* vsc, int64_t s0, int64_t s1, const int64_t* limit, const int64_t* first,
@@ -156,7 +156,7 @@ void item_int8(const float* q, bool bf16_q, int64_t M, const int8_t* k, int64_t 
     const int8_t* vj = v + j0 * vs;
     const auto value = [&](int64_t j, int x) { return codes_vec(vj + j * vs + x * Vec::size()); };
     const NextRows next = next_rows(k, ks, v, vs, j0, s1, d);
-    constexpr int R = NX >= 24 ? 1 : 24 / NX;  // query rows accumulated together
+    constexpr int R = group_rows<NX>;
     for (int64_t g = 0; g < na; g += R)  // the first group's pass fetches the next block
       accumulate_rows<NX, R>(active + g, std::min<int64_t>(R, na - g), acc, alpha, s, n, value,
                              g == 0 ? next : NextRows{});
@@ -205,8 +205,8 @@ bool dispatch_int8(std::integer_sequence<int, Ds...>, int64_t d, const float* qp
     constexpr int D = decltype(dim)::value;
     if constexpr (D % Vec::size() == 0) {
       if (d == D) {
-        attend_int8<D / Vec::size()>(qp, bf16_q, k, v, ks, vs, lens, n_new, window, B, H, M, slots, nsplit, split, scale,
-                                     part);
+        attend_int8<D / Vec::size()>(qp, bf16_q, k, v, ks, vs, lens, n_new, window, B, H, M, slots, nsplit, split,
+                                     scale, part);
         return true;
       }
     }
@@ -239,8 +239,8 @@ at::Tensor decode_attention_int8(const at::Tensor& q, const at::Tensor& k, const
     for (int64_t i = 0; i < qc.numel(); ++i) qf[i] = static_cast<float>(src[i]);
   });
   const bool bf16_q = qc.scalar_type() == at::kBFloat16;  // its float32 copy goes back to bfloat16 exactly
-  const bool done = dispatch_int8(HeadDims{}, d, qf, bf16_q, k, v, k_scale, v_scale, lp, np, window, B, H, M, slots, nsplit,
-                                  split, static_cast<float>(scale), part);
+  const bool done = dispatch_int8(HeadDims{}, d, qf, bf16_q, k, v, k_scale, v_scale, lp, np, window, B, H, M, slots,
+                                  nsplit, split, static_cast<float>(scale), part);
   TORCH_CHECK(done, op, ": no code for head_dim ", d);  // checked above
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "decode_attention_int8_out", [&] {
     combine<scalar_t>(part, B * H, M, d, nsplit, out.data_ptr<scalar_t>());

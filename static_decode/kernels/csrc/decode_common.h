@@ -51,6 +51,10 @@ inline NextRows next_rows(const T* k, int64_t ks, const T* v, int64_t vs, int64_
           ks * static_cast<int64_t>(sizeof(T)), vs * static_cast<int64_t>(sizeof(T)), rows, row_bytes};
 }
 
+// Query rows accumulate_rows takes together at head_dim NX x 16: R x NX accumulators in registers.
+template <int NX>
+constexpr int group_rows = NX >= 24 ? 1 : 24 / NX;
+
 // acc[row] = alpha[row] * acc[row] + sum_j p[row][j] * v[j] for the R rows of a group at once (r <= R used): each
 // value row is loaded once for the whole group (`value(j, x)`: the x-th float vector of value row j), R x NX
 // accumulators held in registers (R * NX <= 24); `next` fetches the next block's rows as it goes.

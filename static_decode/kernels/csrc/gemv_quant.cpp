@@ -358,7 +358,7 @@ void int4_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbu
   int4_scales<R>(m, n, G, x.a8grp, -8.f, sbuf, acc, kGroup == 32 ? x.a4blk : nullptr);  // group 32: s * d
   const char* ahead = reinterpret_cast<const char*>(Q + n * half) + ahead_bytes;
   for (int64_t c = 0; c < C; ++c) {
-    _mm_prefetch(ahead + c * 32 * R, _MM_HINT_T0);  // the bytes this step consumes, kAhead further on
+    _mm_prefetch(ahead + c * 32 * R, _MM_HINT_T0);  // the bytes this step consumes, ahead_bytes further on
     if (R > 2) _mm_prefetch(ahead + c * 32 * R + 64, _MM_HINT_T0);
     const __m512i a = _mm512_loadu_si512(x.a8 + 64 * c);
     const __m512 dv = kGroup == 32 ? _mm512_setzero_ps() : _mm512_loadu_ps(x.a4d + 16 * c);  // group 32: in sbuf
@@ -419,7 +419,8 @@ void static_decode_kernels::prepare_row(const float* x, int64_t K, int64_t group
   for (; k + 16 <= K; k += 16) {
     const __m512 v = _mm512_loadu_ps(x + k);
     const __m512i u = _mm512_castps_si512(v);
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, lsb)), 16);
     r = _mm512_mask_mov_epi32(r, _mm512_fpclass_ps_mask(v, 0x81), qnan);  // QNaN | SNaN
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.b.data() + k), _mm512_cvtepi32_epi16(r));
     _mm512_storeu_ps(row.f.data() + k, bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)) : v);
