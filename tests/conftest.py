@@ -6,11 +6,21 @@ profiles/, not here.
 """
 
 import logging
+import os
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Build the CPU kernels once, in the controller, before any xdist worker starts: otherwise the first workers
+    (and the subprocesses their tests spawn) race each other for the build and wait on its lock."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        from static_decode.kernels import cpu_kernel
+
+        cpu_kernel.available()
 
 
 @pytest.fixture(scope="session", autouse=True)
