@@ -10,6 +10,10 @@ bit and the layers after it by a little more; float32 ones agree to ~1e-6.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,10 +37,10 @@ def _dtypes() -> list[torch.dtype]:
 
 @pytest.mark.parametrize("dtype", _dtypes())
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize(("N", "K"), [(80, 384), (13, 1536), (1, 128), (7, 128)])
+@pytest.mark.parametrize(("N", "K"), [(80, 384), (13, 1536), (1, 128), (7, 128), (5, 576), (3, 192)])
 def test_gemv_q_matches_float64_by_the_dequantized_weight(scheme, dtype, N, K):
-    """Every format and group, row counts that leave a partial block of rows (8 for int8, 4 for int4), K with an
-    int8 tail past whole vectors."""
+    """Every format and group, row counts that leave a partial block of rows (of 2, 3, 4 or 8 rows), K with an
+    int8 tail past whole vectors and K an odd number of 64-column chunks (int4 group 32 takes two a step)."""
     s = quant.parse(scheme)
     if s.bits == 4 and quant.int4_refusal(K, s.group):
         pytest.skip(f"{scheme} does not take K {K}")
@@ -51,6 +55,41 @@ def test_gemv_q_matches_float64_by_the_dequantized_weight(scheme, dtype, N, K):
     # The error bound scales with sum |w| |x| (cancellation); bfloat16: the output's rounding, 2^-8 relative.
     bound = (w.abs() @ xr.abs()) * 1e-5 + (want.abs() * 2**-8 if dtype == torch.bfloat16 else 0)
     assert ((got.double() - want).abs() <= bound).all()
+
+
+@pytest.mark.skipif(not cpu_kernel.int8_dot(), reason="this CPU has no AVX512-VNNI")
+def test_both_cpus_row_plans_match_float64() -> None:
+    """The int8 dot-product loops take their rows per step and prefetch by CPU (AMD's or Intel's): the plan this CPU
+    does not pick, forced in a subprocess, passes the same products; a plan by another name is refused."""
+    here = "amd" if "AMD" in _cpu_vendor() else "intel"
+    other = {"amd": "intel", "intel": "amd"}[here]
+    test = f"{__file__}::test_gemv_q_matches_float64_by_the_dequantized_weight"
+    env = {**os.environ, "STATIC_DECODE_QUANT_PLAN": other}
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    bad = subprocess.run([sys.executable, "-c", _PLAN_PROBE], env={**os.environ, "STATIC_DECODE_QUANT_PLAN": "arm"},
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 0 and "STATIC_DECODE_QUANT_PLAN is 'arm' (amd or intel)" in bad.stdout, bad.stdout
+
+
+_PLAN_PROBE = """
+import torch
+from static_decode.kernels import cpu_kernel
+from static_decode.model.quant import QuantWeight, Scheme
+assert cpu_kernel.available()
+qw = QuantWeight(torch.randn(4, 128).bfloat16(), Scheme(8))
+try:
+    torch.ops.static_decode_cpu.gemv_q(torch.randn(128).bfloat16(), qw.qweight, qw.scales, 0)
+except RuntimeError as err:
+    print(err)
+"""
+
+
+def _cpu_vendor() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line for line in f if line.startswith("vendor_id")), "")
 
 
 def row_as_multiplied(x: torch.Tensor) -> torch.Tensor:

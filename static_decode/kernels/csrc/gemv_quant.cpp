@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -54,28 +55,37 @@ using static_decode_kernels::check_cpu;
 
 constexpr int64_t kRows8 = 8;  // int8 rows per inner step: independent accumulators and load streams
 constexpr int64_t kRows4 = 4;  // int4 rows per inner step
-// Prefetch distance: a block of rows is one contiguous run of bytes, read as kRows interleaved streams; each step
-// prefetches the lines it consumes this many bytes further on. Short rows (SmolLM2's K = 576 bytes of int8) leave
-// the hardware prefetcher too little of each stream to learn: without this the int8 loop read 6-7 GB/s on one
-// Zen 4 core, with it 20-26 (profiles/RESULTS.md, "Quantized one-row kernels").
+// Prefetch distance (int8_rows, int4_block): a block of rows is one contiguous run of bytes, read as kRows
+// interleaved streams; each step prefetches the lines it consumes this many bytes further on. Short rows (SmolLM2's
+// K = 576 bytes of int8) leave the hardware prefetcher too little of each stream to learn: without this the int8
+// loop read 6-7 GB/s on one Zen 4 core, with it 20-26 (profiles/RESULTS.md, "Quantized one-row kernels").
 constexpr int64_t kAhead = 8192;
-// The VNNI loops' (int8_block_vnni, int4_block_vnni), measured on the 3B shape's 8192 x 3072 weights: int8 at 4 rows
-// read at 0.93-0.98 of the bfloat16 GEMV's rate where 8 rows read at 0.8 (the widening loop's 8 stays best for it);
-// int4 at 2 rows and 4 KB ahead 0.88-0.94, at 4 rows 0.72 (profiles/RESULTS.md, "int8 dot products"). int8 prefetches
-// per row (at least kAhead bytes ahead), int4 one linear run ahead (int4_plan): each was the faster of the two for it.
-// On two threads of this 2-vCPU machine the int4 loop is short of arithmetic, not of bytes (0.98 of bf16's rate on
-// one thread, 0.8 on two): at group 32 its scales are stored times the row block's d, one multiply fewer a chunk.
-constexpr int64_t kRows8V = 4;
-
-// int4_block_vnni's rows per step and prefetch distance differ by CPU: on the AMX Xeon 2 rows 4 KB ahead were the
-// fastest (3 rows 0.86x, 4 rows 0.83x of it); on a Zen 5 the 2-row loop runs short of independent work and 3 rows
-// 8 KB ahead read 1.1-1.4x faster (profiles/RESULTS.md, "the quantized products on Zen 5"). AMD's cores take 3.
-struct Int4Plan {
-  int rows;
-  int64_t ahead;  // bytes
+// The VNNI loops' rows per step and prefetch, measured on the 3B shape's 8192 x 3072 and 3072 x 8192 weights
+// (profiles/RESULTS.md, "int8 dot products" and "the quantized products on Zen 5"), differ by CPU:
+// * int8 (int8_block_vnni): on the AMX Xeon 4 rows, each row's bytes prefetched in the next block at the column being
+//   read, read at 0.93-0.98 of the bfloat16 GEMV's rate (8 rows 0.8). On a Zen 5 that read 0.86-0.91; 2 rows with one
+//   linear run 16 KB ahead of the block 1.00-1.05 on two threads (3 rows 0.94-1.04, 4 rows 0.88-1.02).
+// * int4 group 32 (int4_pair_vnni): 2 rows; a linear run 8 KB ahead on the Zen 5 (2 KB 0.92, 4 KB 1.05, 8 KB 1.09,
+//   16 KB 1.05 of bf16's rate on two threads; 3 rows 0.96-1.06), 4 KB on the Xeon, whose best that was for the
+//   one-chunk loop (int4_block_vnni, which groups 64 and 128 still take: 2 rows on the Xeon, 3 rows 8 KB ahead on
+//   the Zen 5, where 2 rows ran short of independent work).
+struct QuantPlan {
+  int int8_rows;
+  int64_t int8_linear;  // bytes a linear run ahead of the block; 0: per row, in the next block
+  int int4_rows;        // int4_block_vnni's
+  int64_t int4_ahead;   // bytes; the int4 loops prefetch one linear run ahead
+  int64_t pair_ahead;   // int4_pair_vnni's (2 rows)
 };
-inline Int4Plan int4_plan() {
-  static const Int4Plan plan = __builtin_cpu_is("amd") ? Int4Plan{3, 8192} : Int4Plan{2, 4096};
+// $STATIC_DECODE_QUANT_PLAN ("amd" or "intel") takes the other CPU's plan, so that either runs in tests anywhere.
+inline bool amd_plan() {
+  const char* e = std::getenv("STATIC_DECODE_QUANT_PLAN");
+  if (e == nullptr || *e == '\0') return __builtin_cpu_is("amd");
+  TORCH_CHECK(std::strcmp(e, "amd") == 0 || std::strcmp(e, "intel") == 0, "STATIC_DECODE_QUANT_PLAN is '", e,
+              "' (amd or intel)");
+  return std::strcmp(e, "amd") == 0;
+}
+inline const QuantPlan& quant_plan() {
+  static const QuantPlan plan = amd_plan() ? QuantPlan{2, 16384, 3, 8192, 8192} : QuantPlan{4, 0, 2, 4096, 4096};
   return plan;
 }
 
@@ -152,14 +162,16 @@ void int8_rows(const QuantMat& m, const float* x, int64_t K, int64_t n0, int64_t
 #if defined(__AVX512VNNI__)
 // int8 rows [n, n + R) times the row's int8 codes (QuantRow's a8, a8d, a8fix; the scheme above).
 template <int R>
-void int8_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* y) {
+void int8_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* y, int64_t linear) {
   const int64_t K = x.K, body = K / 64;
   const int8_t* Q = static_cast<const int8_t*>(m.q) + n * K;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  // Each row's bytes are prefetched in the row rows_ahead further on, at the column this step reads: one stream per
-  // row as the loop consumes them (a linear run ahead of the block reached rows 2 and 3 after they were read).
+  // linear 0: each row's bytes are prefetched in the row rows_ahead further on, at the column this step reads, one
+  // stream per row as the loop consumes them (on the Xeon a linear run ahead of a 4-row block reached rows 2 and 3
+  // after they were read); else one linear run `linear` bytes ahead of the block, R lines a step (quant_plan).
   const int64_t rows_ahead = std::max<int64_t>(R, (kAhead + K - 1) / K);
-  const char* ahead = reinterpret_cast<const char*>(Q + rows_ahead * K);
+  const char* ahead = linear > 0 ? reinterpret_cast<const char*>(Q) + linear
+                                 : reinterpret_cast<const char*>(Q + rows_ahead * K);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const auto chunk = [&](int64_t c, auto load) {
@@ -172,7 +184,7 @@ void int8_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* y) 
     }
   };
   for (int64_t c = 0; c < body; ++c) {
-    for (int r = 0; r < R; ++r) _mm_prefetch(ahead + r * K + c * 64, _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) _mm_prefetch(ahead + (linear > 0 ? (c * R + r) * 64 : r * K + c * 64), _MM_HINT_T0);
     chunk(c, [](const int8_t* p) { return _mm512_loadu_si512(p); });
   }
   if (body * 64 < K) {  // the last chunk's codes past K load as zero: 128 after the flip, times a zero row code
@@ -183,9 +195,12 @@ void int8_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* y) 
 }
 
 void int8_rows_vnni(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y) {
+  const QuantPlan& plan = quant_plan();
   int64_t n = n0;
-  for (; n + kRows8V <= n1; n += kRows8V) int8_block_vnni<kRows8V>(m, x, n, y);
-  for (; n < n1; ++n) int8_block_vnni<1>(m, x, n, y);
+  if (plan.int8_rows == 4)
+    for (; n + 4 <= n1; n += 4) int8_block_vnni<4>(m, x, n, y, plan.int8_linear);
+  for (; n + 2 <= n1; n += 2) int8_block_vnni<2>(m, x, n, y, plan.int8_linear);
+  for (; n < n1; ++n) int8_block_vnni<1>(m, x, n, y, plan.int8_linear);
 }
 
 // The row's int8 codes for int8_block_vnni: per block of kRowBlock8 values d = max|x| / 127 and codes x / d rounded
@@ -235,6 +250,12 @@ void quantize_row8(const float* x, int64_t K, int64_t group, QuantRow& row) {
       row.blk4.resize(K / B);
       for (int64_t b = 0; b < K / B; ++b) row.blk4[b] = row.d4[8 * b];
       row.a4blk = row.blk4.data();
+      row.q4.assign(row.q8.begin(), row.q8.end());
+      for (int64_t p = 0; p + 128 <= K; p += 128) {
+        std::memcpy(row.q4.data() + p + 32, row.q8.data() + p + 64, 32);
+        std::memcpy(row.q4.data() + p + 64, row.q8.data() + p + 32, 32);
+      }
+      row.a4pair = row.q4.data();
     }
   }
 }
@@ -381,6 +402,53 @@ void int4_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbu
   }
   for (int r = 0; r < R; ++r) y[n + r] = _mm512_reduce_add_ps(acc[r]);
 }
+
+// Group 32, two chunks a step: a row's 64 packed bytes (one cache line) give its low nibbles (columns 128p + [0, 32)
+// and + [64, 96)) and its high nibbles, 16 times their value, by one AND each; the row's codes in that order
+// (a4pair) make one vpdpbusd per 64 columns where int4_block_vnni broadcasts each half line and masks it. A vector's
+// lanes are then groups 4p and 4p + 2 (low) or 4p + 1 and 4p + 3 (high): their four scales (times d, sbuf) come in
+// with one 16-byte broadcast and an in-lane permute each.
+template <int R>
+void int4_pair_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbuf, float* y, int64_t ahead_bytes) {
+  const int64_t K = x.K, G = K / 32, half = K / 2, P = K / 128;
+  const auto* Q = static_cast<const uint8_t*>(m.q);
+  const __m512i lo_mask = _mm512_set1_epi8(0x0F), hi_mask = _mm512_set1_epi8(static_cast<char>(0xF0));
+  const __m512i sel_lo = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i sel_hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
+  __m512 acc[R], acc2[R];
+  for (int r = 0; r < R; ++r) acc2[r] = _mm512_setzero_ps();
+  int4_scales<R>(m, n, G, x.a8grp, -8.f, sbuf, acc, x.a4blk);  // s * d
+  const char* ahead = reinterpret_cast<const char*>(Q + n * half) + ahead_bytes;
+  for (int64_t p = 0; p < P; ++p) {
+    for (int r = 0; r < R; ++r) _mm_prefetch(ahead + (p * R + r) * 64, _MM_HINT_T0);
+    const __m512i alo = _mm512_loadu_si512(x.a4pair + 128 * p);
+    const __m512i ahi = _mm512_loadu_si512(x.a4pair + 128 * p + 64);
+    for (int r = 0; r < R; ++r) {
+      const __m512i w = _mm512_loadu_si512(Q + (n + r) * half + 64 * p);
+      const __m512 vlo = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                                _mm512_and_si512(w, lo_mask), alo));
+      const __m512 vhi = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                                _mm512_and_si512(w, hi_mask), ahi));
+      const __m512 s4 = _mm512_broadcast_f32x4(_mm_loadu_ps(sbuf + r * G + 4 * p));
+      acc[r] = _mm512_fmadd_ps(vlo, _mm512_permutevar_ps(s4, sel_lo), acc[r]);
+      acc2[r] = _mm512_fmadd_ps(vhi, _mm512_permutevar_ps(s4, sel_hi), acc2[r]);
+    }
+  }
+  if (P * 128 < K) {  // an odd last chunk: int4_block_vnni's step
+    const int64_t c = 2 * P;
+    const __m512i nib = _mm512_inserti64x4(lo_mask, _mm256_set1_epi8(static_cast<char>(0xF0)), 1);
+    const __m512i a = _mm512_loadu_si512(x.a8 + 64 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512i w = _mm512_and_si512(_mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Q + (n + r) * half + 32 * c))), nib);
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a));
+      const float* s = sbuf + r * G;
+      const __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[2 * c]), _mm512_set1_ps(s[2 * c + 1]));
+      acc[r] = _mm512_fmadd_ps(v, sv, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[n + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc2[r]));
+}
 #endif
 
 template <int kGroup>
@@ -389,11 +457,15 @@ void int4_rows_bf16(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1
   int64_t n = n0;
 #if defined(__AVX512VNNI__)
   if (x.a8 != nullptr) {
-    const Int4Plan plan = int4_plan();
-    if (plan.rows == 3)
-      for (; n + 3 <= n1; n += 3) int4_block_vnni<kGroup, 3>(m, x, n, sbuf.data(), y, plan.ahead);
-    for (; n + 2 <= n1; n += 2) int4_block_vnni<kGroup, 2>(m, x, n, sbuf.data(), y, plan.ahead);
-    for (; n < n1; ++n) int4_block_vnni<kGroup, 1>(m, x, n, sbuf.data(), y, plan.ahead);
+    const QuantPlan& plan = quant_plan();
+    if constexpr (kGroup == 32) {
+      for (; n + 2 <= n1; n += 2) int4_pair_vnni<2>(m, x, n, sbuf.data(), y, plan.pair_ahead);
+    } else {
+      if (plan.int4_rows == 3)
+        for (; n + 3 <= n1; n += 3) int4_block_vnni<kGroup, 3>(m, x, n, sbuf.data(), y, plan.int4_ahead);
+      for (; n + 2 <= n1; n += 2) int4_block_vnni<kGroup, 2>(m, x, n, sbuf.data(), y, plan.int4_ahead);
+    }
+    for (; n < n1; ++n) int4_block_vnni<kGroup, 1>(m, x, n, sbuf.data(), y, plan.int4_ahead);
     return;
   }
 #endif
@@ -442,6 +514,7 @@ void static_decode_kernels::prepare_row(const float* x, int64_t K, int64_t group
   row.xsum = row.sums.data();
   row.a8 = nullptr;
   row.a4blk = nullptr;
+  row.a4pair = nullptr;
 #if defined(__AVX512VNNI__)
   if (int8) quantize_row8(row.xf, K, group, row);
 #else

@@ -48,9 +48,13 @@ struct QuantRow {  // the row x [K] as the products read it: prepare_row
   const float* a4d = nullptr;    // int4: a8d with the upper 8 lanes of each chunk over 16
   const float* a8grp = nullptr;  // int4: per group, the sum over its blocks of d * (sum of the block's codes)
   const float* a4blk = nullptr;  // int4 group 32: each block's d (over 16 for the odd blocks, as a4d has them)
+  // int4 group 32: a8 with each 128 values' middle 64 codes' halves swapped, so 64 codes a vector line up with the
+  // low (then the high) nibbles of 64 packed bytes: the columns 128p + [0, 32) and + [64, 96), then + [32, 64) and
+  // + [96, 128)
+  const int8_t* a4pair = nullptr;
   std::vector<float> f, sums, d8, d4, grp8, blk4;
   std::vector<uint16_t> b;
-  std::vector<int8_t> q8;
+  std::vector<int8_t> q8, q4;
   std::vector<int32_t> fix8;
 };
 // `int8`: the row is also quantized to int8 in blocks of kRowBlock8 values (int8_dot_path).
