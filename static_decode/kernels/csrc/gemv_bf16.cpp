@@ -5,7 +5,7 @@
 // library GEMV (torch.mv / F.linear: oneDNN) reads bfloat16 weights at 10-19 GB/s by shape, inductor's
 // multiply-and-row-sum form at 12-16, a plain sum at ~26 (profiles/RESULTS.md). Here AVX512-BF16's dot-product
 // instruction takes 32 weight x input products per step, float32 accumulation, no widening, and each thread works on
-// 8 rows at once with the next 8 rows prefetched: 25-27 GB/s on SmolLM2's shapes.
+// 8 rows at once with the next 8 rows prefetched: 25-27 GB/s on SmolLM2's shapes (AMD's cores: 2 rows, see `rows`).
 #include <torch/library.h>
 
 #include "checks.h"
@@ -24,14 +24,56 @@
 namespace {
 
 constexpr int64_t kRows = 8;  // rows per inner step: 8 independent accumulators and load streams
-constexpr int64_t kAhead = 8192;    // prefetch distance in bytes for short rows (see `rows`)
+constexpr int64_t kAhead = 8192;    // prefetch distance in bytes for short rows (see `rows8`)
 constexpr int64_t kLongRow = 2048;  // rows of at least this many bytes prefetch row by row
 
 #if defined(__AVX512BF16__)
 // Rows [n0, n1) of W [N, K] (row stride K) times x [K] into y in the output's dtype O (the row's: float32 sums
 // rounded once, as `.to()` rounds them); K's tail past a multiple of 32 read with masked loads (zeros past the end).
+// `one_rows` a row at a time (a block's last rows); `rows_linear` R rows a step with one linear prefetch run
+// `ahead_bytes` in front of the block, R lines a step (AMD's plan); `rows8` 8 rows a step (see there).
 template <typename O>
-void rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1, O* y) {
+void one_rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1, O* y) {
+  const int64_t body = K / 32 * 32;
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (K - body)) - 1);
+  const __m512bh xt = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + body);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* w = W + n * K;
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t k = 0; k < body; k += 32)
+      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
+    if (body < K) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(tail, w + body), xt);
+    y[n] = static_cast<O>(_mm512_reduce_add_ps(a));
+  }
+}
+
+template <int R, typename O>
+void rows_linear(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1, O* y,
+                 int64_t ahead_bytes) {
+  const int64_t body = K / 32 * 32;
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (K - body)) - 1);
+  const __m512bh xt = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + body);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const uint16_t* w = W + n * K;
+    const char* ahead = reinterpret_cast<const char*>(w) + ahead_bytes;
+    __m512 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < body; k += 32) {
+      for (int j = 0; j < R; ++j) _mm_prefetch(ahead + k * 2 * R + 64 * j, _MM_HINT_T0);
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+      for (int r = 0; r < R; ++r) a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_loadu_si512(w + r * K + k), xv);
+    }
+    for (int r = 0; r < R; ++r) {
+      if (body < K) a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_maskz_loadu_epi16(tail, w + r * K + body), xt);
+      y[n + r] = static_cast<O>(_mm512_reduce_add_ps(a[r]));
+    }
+  }
+  one_rows<O>(W, x, K, n, n1, y);
+}
+
+template <typename O>
+void rows8(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1, O* y) {
   const int64_t body = K / 32 * 32;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (K - body)) - 1);
   const __m512bh xt = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + body);
@@ -58,14 +100,17 @@ void rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n
       y[n + r] = static_cast<O>(_mm512_reduce_add_ps(a[r]));
     }
   }
-  for (; n < n1; ++n) {
-    const uint16_t* w = W + n * K;
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t k = 0; k < body; k += 32)
-      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
-    if (body < K) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(tail, w + body), xt);
-    y[n] = static_cast<O>(_mm512_reduce_add_ps(a));
-  }
+  one_rows<O>(W, x, K, n, n1, y);
+}
+// The rows by CPU (static_decode_kernels::amd_row_plan): on a Zen 5, 2 rows a step with one linear run 16 KB ahead
+// took a 3B-shape bf16 step from 122 to 83 ms a token in one process taking turns (8 KB and 32 KB alike; 4 rows
+// 89 ms) and SmolLM2's from 6.2 to 4.5 (profiles/RESULTS.md, "the quantized products two chunks a step"); the AMX
+// Xeon keeps the 8-row loop it was measured fastest with.
+template <typename O>
+void rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1, O* y) {
+  static const bool amd = static_decode_kernels::amd_row_plan();
+  if (amd) return rows_linear<2, O>(W, x, K, n0, n1, y, 16384);
+  rows8<O>(W, x, K, n0, n1, y);
 }
 #endif
 

@@ -76,16 +76,9 @@ struct QuantPlan {
   int64_t int4_ahead;   // bytes; the int4 loops prefetch one linear run ahead
   int64_t pair_ahead;   // int4_pair_vnni's (2 rows)
 };
-// $STATIC_DECODE_QUANT_PLAN ("amd" or "intel") takes the other CPU's plan, so that either runs in tests anywhere.
-inline bool amd_plan() {
-  const char* e = std::getenv("STATIC_DECODE_QUANT_PLAN");
-  if (e == nullptr || *e == '\0') return __builtin_cpu_is("amd");
-  TORCH_CHECK(std::strcmp(e, "amd") == 0 || std::strcmp(e, "intel") == 0, "STATIC_DECODE_QUANT_PLAN is '", e,
-              "' (amd or intel)");
-  return std::strcmp(e, "amd") == 0;
-}
 inline const QuantPlan& quant_plan() {
-  static const QuantPlan plan = amd_plan() ? QuantPlan{2, 16384, 3, 8192, 8192} : QuantPlan{4, 0, 2, 4096, 4096};
+  static const QuantPlan plan = static_decode_kernels::amd_row_plan() ? QuantPlan{2, 16384, 3, 8192, 8192}
+                                                                       : QuantPlan{4, 0, 2, 4096, 4096};
   return plan;
 }
 
@@ -520,6 +513,14 @@ void static_decode_kernels::prepare_row(const float* x, int64_t K, int64_t group
 #else
   TORCH_CHECK(!int8, "prepare_row: int8 row codes need AVX512-VNNI");
 #endif
+}
+
+bool static_decode_kernels::amd_row_plan() {
+  const char* e = std::getenv("STATIC_DECODE_ROW_PLAN");
+  if (e == nullptr || *e == '\0') return __builtin_cpu_is("amd");
+  TORCH_CHECK(std::strcmp(e, "amd") == 0 || std::strcmp(e, "intel") == 0, "STATIC_DECODE_ROW_PLAN is '", e,
+              "' (amd or intel)");
+  return std::strcmp(e, "amd") == 0;
 }
 
 bool static_decode_kernels::int8_dot_path(const QuantMat& m) {

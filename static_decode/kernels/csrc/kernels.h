@@ -26,6 +26,10 @@ at::Tensor decode_attention_int8(const at::Tensor& q, const at::Tensor& k, const
 void bf16_rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1, float* y);
 #endif
 
+// gemv_quant.cpp: whether the one-row products take the rows per step and prefetch measured fastest on AMD's cores
+// (else the AMX Xeon's); $STATIC_DECODE_ROW_PLAN ("amd" or "intel") forces either, so that both run in tests.
+bool amd_row_plan();
+
 // gemv_quant.cpp: one-row products with quantized weights (static_decode/quant.py's formats).
 struct QuantMat {
   const void* q;     // int8 [N, K], or int4 packed uint8 [N, K / 2]
