@@ -1,6 +1,7 @@
 """One-row products by a weight in bfloat16, int8 and int4: what each of torch's kernels reads per second.
 
-    OMP_NUM_THREADS=1 python profiles/quant_kernels.py [--shapes smollm2,4096] [--rounds 15] [--json PATH]
+    OMP_NUM_THREADS=1 python profiles/quant_kernels.py [--shapes smollm2,4096,llama3b] [--rounds 15] \
+        [--cold-mb 2048] [--only gemv] [--json PATH]
 
 A batch-1 decode step multiplies one row by every weight, so a product's time is its weight bytes over the rate
 it reads them at; a quantized weight is worth having only where its kernel reads the fewer bytes at least about
@@ -15,8 +16,11 @@ changes speed between phases; medians over the rounds):
   `_convert_weight_to_int4pack_for_cpu`;
 * ours: `torch.ops.static_decode_cpu.gemv_q` on static_decode.model.quant's int8 and int4-g32 (csrc/gemv_quant.cpp).
 
-GB/s counts the weight's bytes (scales included) per call. Each weight set is several times the last-level cache
-and the calls cycle through the copies, so every call reads cold weights from memory, as a decode step does.
+GB/s counts the weight's bytes (scales included) per call. Each weight's copies fill `--cold-mb` (default 2 GiB,
+several times a 504 MiB L3) and the calls cycle through them, so every call reads cold weights from memory, as a
+decode step does. `--shapes llama3b` takes Llama-3.2-3B's projections (q/k/v and gate/up joined, as the model
+holds them); `--only gemv` times only the products the decode step runs (gemv_bf16 and gemv_q), which is what
+their rates are compared on.
 """
 
 from __future__ import annotations
@@ -37,12 +41,15 @@ from static_decode.model.quant import QuantWeight
 SMOLLM2 = {"q/o 576x576": (576, 576), "k/v 192x576": (192, 576), "gate/up 1536x576": (1536, 576),
            "down 576x1536": (576, 1536), "head 49152x576": (49152, 576)}  # fmt: skip
 BIG = {"4096x4096": (4096, 4096)}
+LLAMA3B = {"qkv 5120x3072": (5120, 3072), "o 3072x3072": (3072, 3072), "gate/up 16384x3072": (16384, 3072),
+           "down 3072x8192": (3072, 8192)}  # fmt: skip
+SHAPES = {"smollm2": SMOLLM2, "4096": BIG, "llama3b": LLAMA3B}
 INT4MM = torch.ops.aten._weight_int4pack_mm_for_cpu
-COLD_BYTES = 256 * 1024**2  # copies of each weight, cycled through, so the caches hold none of them
+COLD_BYTES = 2048 * 1024**2  # copies of each weight, cycled through, so the caches hold none of them (--cold-mb)
 
 
 def _copies(nbytes: int) -> int:
-    return max(1, min(64, COLD_BYTES // max(nbytes, 1)))
+    return max(2, min(256, COLD_BYTES // max(nbytes, 1)))
 
 
 def _int4_pack(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,15 +65,22 @@ def _int4_pack(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz
 
 
-def candidates(N: int, K: int) -> dict[str, tuple[int, Callable[[torch.Tensor, int], torch.Tensor]]]:
-    """name -> (weight bytes, fn(x [1, K] bf16, copy index) -> [1, N])."""
-    w = torch.randn(N, K, dtype=torch.bfloat16) / K**0.5
+Product = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def candidates(N: int, K: int, only_gemv: bool = False) -> dict[str, tuple[int, Product]]:
+    """name -> (weight bytes, fn(x [1, K] bf16, copy index) -> [1, N]); `only_gemv`: gemv_bf16 and gemv_q only."""
+    w = torch.randn(N, K, dtype=torch.bfloat16) / K**0.5  # [N, K]
     out: dict[str, tuple[int, Callable]] = {}
     n = _copies(w.nbytes)
     ws = [w.clone() for _ in range(n)]
-    out["bf16 F.linear"] = (w.nbytes, lambda x, i: F.linear(x, ws[i % n]))
+    if not only_gemv:
+        out["bf16 F.linear"] = (w.nbytes, lambda x, i: F.linear(x, ws[i % n]))
     if cpu_kernel.bf16_dot() and cpu_kernel.available():
         out["bf16 gemv_bf16"] = (w.nbytes, lambda x, i: cpu_kernel.gemv_bf16(x.view(-1), ws[i % n]))
+    if only_gemv:
+        del w
+        return out | _ours(ws[0], N, K)
     scale = w.float().abs().amax(1).clamp(min=1e-8) / 127
     q8 = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
     s8 = scale.to(torch.bfloat16)
@@ -85,15 +99,7 @@ def candidates(N: int, K: int) -> dict[str, tuple[int, Callable[[torch.Tensor, i
     cr = torch.compile(rowsum, dynamic=False)
     out["int8 compiled linear*scales"] = (b8, lambda x, i: cg(x, q8s[i % n8], s8))
     out["int8 compiled row-sum"] = (b8, lambda x, i: cr(x, q8s[i % n8], s8))
-    if cpu_kernel.available():  # ours (csrc/gemv_quant.cpp), on static_decode.model.quant's formats
-        for spec in ("int8", "int4-g32"):
-            qw = QuantWeight(w, quant.parse(spec))
-            nq = _copies(qw.nbytes)
-            qs = [(qw.qweight.clone(), qw.scales.clone()) for _ in range(nq)]
-            group = qw.scheme.group
-            out[f"{spec} gemv_q"] = (
-                qw.nbytes, lambda x, i, qs=qs, nq=nq, g=group: torch.ops.static_decode_cpu.gemv_q(x, *qs[i % nq], g)
-            )
+    out |= _ours(w, N, K)
     for group in (32, 64, 128):
         if K % group:
             continue
@@ -107,10 +113,26 @@ def candidates(N: int, K: int) -> dict[str, tuple[int, Callable[[torch.Tensor, i
     return out
 
 
-def measure(shapes: dict[str, tuple[int, int]], rounds: int, calls: int) -> list[dict]:
+def _ours(w: torch.Tensor, N: int, K: int) -> dict[str, tuple[int, Product]]:
+    """gemv_q (csrc/gemv_quant.cpp) on static_decode.model.quant's int8 and int4-g32 forms of w [N, K]."""
+    out: dict[str, tuple[int, Callable]] = {}
+    if not cpu_kernel.available():
+        return out
+    for spec in ("int8", "int4-g32"):
+        qw = QuantWeight(w, quant.parse(spec))
+        nq = _copies(qw.nbytes)
+        qs = [(qw.qweight.clone(), qw.scales.clone()) for _ in range(nq)]
+        group = qw.scheme.group
+        out[f"{spec} gemv_q"] = (
+            qw.nbytes, lambda x, i, qs=qs, nq=nq, g=group: torch.ops.static_decode_cpu.gemv_q(x, *qs[i % nq], g)
+        )
+    return out
+
+
+def measure(shapes: dict[str, tuple[int, int]], rounds: int, calls: int, only_gemv: bool = False) -> list[dict]:
     rows = []
     for label, (N, K) in shapes.items():
-        cands = candidates(N, K)
+        cands = candidates(N, K, only_gemv)
         x = torch.randn(1, K, dtype=torch.bfloat16)
         for _name, (_b, fn) in cands.items():  # warm up (compiles)
             for i in range(3):
@@ -122,28 +144,45 @@ def measure(shapes: dict[str, tuple[int, int]], rounds: int, calls: int) -> list
                 for i in range(calls):
                     fn(x, i)
                 times[name].append((time.perf_counter() - t0) / calls)
+        ref = "bf16 gemv_bf16" if "bf16 gemv_bf16" in cands else None
         for name, (nbytes, _fn) in cands.items():
             s = statistics.median(times[name])
-            rows.append({"shape": label, "kernel": name, "bytes": nbytes, "us": s * 1e6, "GBps": nbytes / s / 1e9})
-            print(f"{label:18s} {name:40s} {s * 1e6:9.1f} us {nbytes / s / 1e9:6.2f} GB/s", flush=True)
+            # each round's rate over gemv_bf16's in the same round, the median of those: phases cancel
+            rel = (statistics.median(nbytes / times[name][r] / (cands[ref][0] / times[ref][r]) for r in range(rounds))
+                   if ref is not None else None)
+            rows.append({"shape": label, "kernel": name, "bytes": nbytes, "us": s * 1e6, "GBps": nbytes / s / 1e9,
+                         "rate_over_gemv_bf16": rel})
+            tail = f"  {rel:5.2f} of gemv_bf16's rate" if rel is not None else ""
+            print(f"{label:18s} {name:40s} {s * 1e6:9.1f} us {nbytes / s / 1e9:6.2f} GB/s{tail}", flush=True)
+        del cands
     return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default="smollm2,4096", help="smollm2, 4096 or both, comma-separated")
+    p.add_argument("--shapes", default="smollm2,4096", help=f"comma-separated, from {', '.join(SHAPES)}")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=20, help="calls per timed sample")
+    p.add_argument("--cold-mb", type=int, default=COLD_BYTES // 1024**2,
+                   help="MiB of copies each weight's calls cycle through (several times the last-level cache)")
+    p.add_argument("--only", choices=("all", "gemv"), default="all",
+                   help="gemv: only gemv_bf16 and gemv_q (the decode step's products)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     shapes: dict[str, tuple[int, int]] = {}
     for s in args.shapes.split(","):
-        shapes |= SMOLLM2 if s == "smollm2" else BIG
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {torch.backends.cpu.get_cpu_capability()}")
-    rows = measure(shapes, args.rounds, args.calls)
+        if s not in SHAPES:
+            p.error(f"--shapes: {s!r} is not one of {', '.join(SHAPES)}")
+        shapes |= SHAPES[s]
+    if args.cold_mb <= 0:
+        p.error(f"--cold-mb must be positive, got {args.cold_mb}")
+    globals()["COLD_BYTES"] = args.cold_mb * 1024**2
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {torch.backends.cpu.get_cpu_capability()}, "
+          f"{args.cold_mb} MiB of copies a weight")
+    rows = measure(shapes, args.rounds, args.calls, args.only == "gemv")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+            json.dump({"threads": torch.get_num_threads(), "cold_mb": args.cold_mb, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

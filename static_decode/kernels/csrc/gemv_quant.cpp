@@ -65,20 +65,22 @@ constexpr int64_t kAhead = 8192;
 // * int8 (int8_block_vnni): on the AMX Xeon 4 rows, each row's bytes prefetched in the next block at the column being
 //   read, read at 0.93-0.98 of the bfloat16 GEMV's rate (8 rows 0.8). On a Zen 5 that read 0.86-0.91; 2 rows with one
 //   linear run 16 KB ahead of the block 1.00-1.05 on two threads (3 rows 0.94-1.04, 4 rows 0.88-1.02).
-// * int4 group 32 (int4_pair_vnni): 2 rows; a linear run 8 KB ahead on the Zen 5 (2 KB 0.92, 4 KB 1.05, 8 KB 1.09,
-//   16 KB 1.05 of bf16's rate on two threads; 3 rows 0.96-1.06), 4 KB on the Xeon, whose best that was for the
-//   one-chunk loop (int4_block_vnni, which groups 64 and 128 still take: 2 rows on the Xeon, 3 rows 8 KB ahead on
-//   the Zen 5, where 2 rows ran short of independent work).
+// * int4 group 32: on the Zen 5 two chunks a step (int4_pair_vnni), 2 rows, a linear run 8 KB ahead (2 KB 0.92, 4 KB
+//   1.05, 8 KB 1.09, 16 KB 1.05 of bf16's rate on two threads; 3 rows 0.96-1.06); whole 3B-shape steps 39.8 -> 32.3
+//   ms. On the Xeon that loop made the same steps slower (70 -> 90 ms, 2 threads), so it keeps one chunk a step
+//   (int4_block_vnni), 2 rows, 4 KB ahead. int4_block_vnni also takes groups 64 and 128: 2 rows on the Xeon, 3 rows
+//   8 KB ahead on the Zen 5, where 2 rows ran short of independent work.
 struct QuantPlan {
   int int8_rows;
   int64_t int8_linear;  // bytes a linear run ahead of the block; 0: per row, in the next block
   int int4_rows;        // int4_block_vnni's
   int64_t int4_ahead;   // bytes; the int4 loops prefetch one linear run ahead
   int64_t pair_ahead;   // int4_pair_vnni's (2 rows)
+  bool int4_pair;       // group 32 two chunks a step (int4_pair_vnni), else one (int4_block_vnni)
 };
 inline const QuantPlan& quant_plan() {
-  static const QuantPlan plan = static_decode_kernels::amd_row_plan() ? QuantPlan{2, 16384, 3, 8192, 8192}
-                                                                       : QuantPlan{4, 0, 2, 4096, 4096};
+  static const QuantPlan plan = static_decode_kernels::amd_row_plan() ? QuantPlan{2, 16384, 3, 8192, 8192, true}
+                                                                       : QuantPlan{4, 0, 2, 4096, 4096, false};
   return plan;
 }
 
@@ -243,6 +245,8 @@ void quantize_row8(const float* x, int64_t K, int64_t group, QuantRow& row) {
       row.blk4.resize(K / B);
       for (int64_t b = 0; b < K / B; ++b) row.blk4[b] = row.d4[8 * b];
       row.a4blk = row.blk4.data();
+    }
+    if (group == B && quant_plan().int4_pair) {  // int4_pair_vnni's order of the codes
       row.q4.assign(row.q8.begin(), row.q8.end());
       for (int64_t p = 0; p + 128 <= K; p += 128) {
         std::memcpy(row.q4.data() + p + 32, row.q8.data() + p + 64, 32);
@@ -451,7 +455,7 @@ void int4_rows_bf16(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1
 #if defined(__AVX512VNNI__)
   if (x.a8 != nullptr) {
     const QuantPlan& plan = quant_plan();
-    if constexpr (kGroup == 32) {
+    if (kGroup == 32 && plan.int4_pair) {
       for (; n + 2 <= n1; n += 2) int4_pair_vnni<2>(m, x, n, sbuf.data(), y, plan.pair_ahead);
     } else {
       if (plan.int4_rows == 3)
