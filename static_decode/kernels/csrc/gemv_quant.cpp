@@ -71,16 +71,15 @@ constexpr int64_t kAhead = 8192;
 //   (int4_block_vnni), 2 rows, 4 KB ahead. int4_block_vnni also takes groups 64 and 128: 2 rows on the Xeon, 3 rows
 //   8 KB ahead on the Zen 5, where 2 rows ran short of independent work.
 struct QuantPlan {
-  int int8_rows;
-  int64_t int8_linear;  // bytes a linear run ahead of the block; 0: per row, in the next block
+  int64_t int8_linear;  // 2 rows with a linear run this many bytes ahead of the block; 0: 4 rows, each per row
   int int4_rows;        // int4_block_vnni's
   int64_t int4_ahead;   // bytes; the int4 loops prefetch one linear run ahead
   int64_t pair_ahead;   // int4_pair_vnni's (2 rows)
   bool int4_pair;       // group 32 two chunks a step (int4_pair_vnni), else one (int4_block_vnni)
 };
 inline const QuantPlan& quant_plan() {
-  static const QuantPlan plan = static_decode_kernels::amd_row_plan() ? QuantPlan{2, 16384, 3, 8192, 8192, true}
-                                                                       : QuantPlan{4, 0, 2, 4096, 4096, false};
+  static const QuantPlan plan = static_decode_kernels::amd_row_plan() ? QuantPlan{16384, 3, 8192, 8192, true}
+                                                                       : QuantPlan{0, 2, 4096, 4096, false};
   return plan;
 }
 
@@ -156,7 +155,7 @@ void int8_rows(const QuantMat& m, const float* x, int64_t K, int64_t n0, int64_t
 
 #if defined(__AVX512VNNI__)
 // int8 rows [n, n + R) times the row's int8 codes (QuantRow's a8, a8d, a8fix; the scheme above).
-template <int R>
+template <int R, bool kLinear>
 void int8_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* y, int64_t linear) {
   const int64_t K = x.K, body = K / 64;
   const int8_t* Q = static_cast<const int8_t*>(m.q) + n * K;
@@ -165,8 +164,8 @@ void int8_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* y, 
   // stream per row as the loop consumes them (on the Xeon a linear run ahead of a 4-row block reached rows 2 and 3
   // after they were read); else one linear run `linear` bytes ahead of the block, R lines a step (quant_plan).
   const int64_t rows_ahead = std::max<int64_t>(R, (kAhead + K - 1) / K);
-  const char* ahead = linear > 0 ? reinterpret_cast<const char*>(Q) + linear
-                                 : reinterpret_cast<const char*>(Q + rows_ahead * K);
+  const char* ahead = kLinear ? reinterpret_cast<const char*>(Q) + linear
+                              : reinterpret_cast<const char*>(Q + rows_ahead * K);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const auto chunk = [&](int64_t c, auto load) {
@@ -179,7 +178,7 @@ void int8_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* y, 
     }
   };
   for (int64_t c = 0; c < body; ++c) {
-    for (int r = 0; r < R; ++r) _mm_prefetch(ahead + (linear > 0 ? (c * R + r) * 64 : r * K + c * 64), _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) _mm_prefetch(ahead + (kLinear ? (c * R + r) * 64 : r * K + c * 64), _MM_HINT_T0);
     chunk(c, [](const int8_t* p) { return _mm512_loadu_si512(p); });
   }
   if (body * 64 < K) {  // the last chunk's codes past K load as zero: 128 after the flip, times a zero row code
@@ -192,10 +191,14 @@ void int8_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* y, 
 void int8_rows_vnni(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y) {
   const QuantPlan& plan = quant_plan();
   int64_t n = n0;
-  if (plan.int8_rows == 4)
-    for (; n + 4 <= n1; n += 4) int8_block_vnni<4>(m, x, n, y, plan.int8_linear);
-  for (; n + 2 <= n1; n += 2) int8_block_vnni<2>(m, x, n, y, plan.int8_linear);
-  for (; n < n1; ++n) int8_block_vnni<1>(m, x, n, y, plan.int8_linear);
+  if (plan.int8_linear > 0) {  // AMD's: 2 rows, one linear run
+    for (; n + 2 <= n1; n += 2) int8_block_vnni<2, true>(m, x, n, y, plan.int8_linear);
+    for (; n < n1; ++n) int8_block_vnni<1, true>(m, x, n, y, plan.int8_linear);
+    return;
+  }
+  for (; n + 4 <= n1; n += 4) int8_block_vnni<4, false>(m, x, n, y, 0);  // the Xeon's: 4 rows, per row
+  for (; n + 2 <= n1; n += 2) int8_block_vnni<2, false>(m, x, n, y, 0);
+  for (; n < n1; ++n) int8_block_vnni<1, false>(m, x, n, y, 0);
 }
 
 // The row's int8 codes for int8_block_vnni: per block of kRowBlock8 values d = max|x| / 127 and codes x / d rounded
@@ -406,7 +409,8 @@ void int4_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbu
 // lanes are then groups 4p and 4p + 2 (low) or 4p + 1 and 4p + 3 (high): their four scales (times d, sbuf) come in
 // with one 16-byte broadcast and an in-lane permute each.
 template <int R>
-void int4_pair_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbuf, float* y, int64_t ahead_bytes) {
+__attribute__((noinline)) void int4_pair_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbuf, float* y,
+                                              int64_t ahead_bytes) {
   const int64_t K = x.K, G = K / 32, half = K / 2, P = K / 128;
   const auto* Q = static_cast<const uint8_t*>(m.q);
   const __m512i lo_mask = _mm512_set1_epi8(0x0F), hi_mask = _mm512_set1_epi8(static_cast<char>(0xF0));
