@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from static_decode.checkpoints.hugepages import to_huge_pages
+from static_decode.base.hugepages import to_huge_pages
 from static_decode.model.config import LlamaConfig, RopeConfig
 from static_decode.model.joining import join_projections
 from static_decode.model.llama import Llama, hf_name

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from static_decode.base.hugepages import to_huge_pages
 from static_decode.checkpoints import quant_io
 from static_decode.checkpoints.gguf import gguf_config, is_gguf, load_gguf, open_gguf
 from static_decode.checkpoints.gguf_vocab import gguf_chat_template, gguf_tokenizer
-from static_decode.checkpoints.hugepages import to_huge_pages
 from static_decode.checkpoints.sources import resolve_model
 from static_decode.model.config import LlamaConfig, eos_ids
 from static_decode.model.joining import join_projections
@@ -158,7 +158,7 @@ def load_model(
     default; see static_decode.model.joining). `quantize` ("int8", "int4", "int4-g64", ...): every
     projection and the LM head weight-only quantized once loaded (static_decode.model.quant); a checkpoint saved
     quantized (static_decode.checkpoints.quant_io) loads as it was saved, `quantize` its scheme or None. CPU weights end
-    on transparent huge pages where Linux offers them (static_decode.checkpoints.hugepages). Raises, naming the key,
+    on transparent huge pages where Linux offers them (static_decode.base.hugepages). Raises, naming the key,
     on an unsupported architecture or rope type, a missing, unexpected or mis-shaped tensor, or a tensor-parallel
     world size that does not fit the model.
     """

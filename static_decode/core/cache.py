@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from static_decode.base.checks import check_int
+from static_decode.base.hugepages import to_huge_pages
 from static_decode.core import kv_quant
 
 IntsLike = torch.Tensor | np.ndarray | Sequence[int]
@@ -89,6 +90,9 @@ class StaticKVCache(torch.nn.Module):
             self.register_buffer(name, scales, persistent=False)
         self.register_buffer("lens", torch.zeros(batch, dtype=torch.int64, device=device), persistent=False)
         self.host_lens = np.zeros(batch, dtype=np.int64)
+        # On the CPU the cache's one allocation ends on transparent huge pages, before anything is written: a decode
+        # step at a long context streams the live K/V like the weights (a 4 KB page boundary every 16 key rows)
+        to_huge_pages(self)
 
     # ---- shape facts -------------------------------------------------------------------------------------
     @property

@@ -1,8 +1,9 @@
-"""Transparent huge pages for a CPU model's weights: `to_huge_pages(model)`.
+"""Transparent huge pages for what a CPU decode step streams: `to_huge_pages(module)` (a model's weights, a KV cache).
 
-Why: a decode step streams every weight once per token, and on 4 KB pages the prefetchers stop at every page and
-the TLB misses. `to_huge_pages` moves the model's CPU parameters and buffers into one mapping advised MADV_HUGEPAGE
-before anything touches it, each tensor swapped in place (tied weights stay tied, memory does not double).
+Why: a decode step streams every weight once per token, and at long contexts the whole live KV cache; on 4 KB pages
+the prefetchers stop at every page and the TLB misses. `to_huge_pages` moves a module's CPU parameters and buffers
+into one mapping advised MADV_HUGEPAGE before anything touches it, each tensor swapped in place (tied weights stay
+tied, memory does not double).
 Elsewhere (another OS, THP off, under 2 MB in all) it does nothing and returns 0. Details:
 docs/internals.md#hugepages.
 """

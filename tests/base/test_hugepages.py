@@ -1,4 +1,4 @@
-"""Weights on transparent huge pages (static_decode.checkpoints.hugepages): the kernel's mode read from its sysfs text;
+"""Weights on transparent huge pages (static_decode.base.hugepages): the kernel's mode read from its sysfs text;
 a model's parameters and buffers moved into one mapping advised MADV_HUGEPAGE (the kernel's own smaps says the
 mapping is eligible) with values, shapes and tying unchanged; `load_model` on the CPU does it; small models and
 kernels without THP are left alone.
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from static_decode.checkpoints import hugepages
+from static_decode.base import hugepages
 from static_decode.checkpoints.loading import default_model_path, load_model
 
 THP = sys.platform == "linux" and hugepages.thp_mode() in ("always", "madvise")
@@ -95,3 +95,24 @@ def test_load_model_puts_cpu_weights_on_huge_page_memory():
     # its mode and per-size settings, so eligibility alone cannot tell the two apart.)
     fresh = torch.empty(w.shape, dtype=w.dtype)
     assert "hg" not in _mapping_of(fresh.data_ptr()).get("VmFlags", "").split()
+
+
+@needs_thp
+def test_cpu_kv_cache_is_allocated_on_huge_page_memory():
+    """A CPU StaticKVCache over 2 MB starts in an advised mapping (its K/V and lengths), stays there as it is
+    written (never moved), and reads back what was written; a cache under 2 MB keeps its plain allocation."""
+    from static_decode.core.cache import StaticKVCache
+
+    cache = StaticKVCache(1, 2, 8192, 64, layers=1, dtype=torch.bfloat16)  # K and V 2.1 MB each
+    ptrs = {name: getattr(cache, name).data_ptr() for name in ("k", "v", "lens")}
+    for name, p in ptrs.items():
+        assert "hg" in _mapping_of(p).get("VmFlags", "").split(), name
+    assert not cache.k.any() and not cache.v.any() and not cache.lens.any()
+    k_new = torch.randn(1, 2, 3, 64, dtype=torch.bfloat16)
+    v_new = torch.randn(1, 2, 3, 64, dtype=torch.bfloat16)
+    cache.append(k_new, v_new, [3])
+    assert torch.equal(cache.k[0, :, :, :3], k_new) and torch.equal(cache.v[0, :, :, :3], v_new)
+    assert cache.lens.tolist() == [3]
+    assert {name: getattr(cache, name).data_ptr() for name in ("k", "v", "lens")} == ptrs
+    small = StaticKVCache(1, 2, 64, 64, layers=1, dtype=torch.bfloat16)
+    assert "hg" not in _mapping_of(small.k.data_ptr()).get("VmFlags", "").split()
