@@ -59,12 +59,12 @@ def to_huge_pages(model: nn.Module, *, min_bytes: int = HUGE_PAGE) -> int:
     if total < min_bytes:
         return 0
     # A fresh private anonymous mapping (nothing in it touched yet; torch's allocator may hand back heap memory
-    # already faulted in 4 KB pages), one huge page larger than the aligned span it advises. The tensor keeps it
+    # already faulted in 4 KB pages), one huge page larger than the aligned span it advises. The tensors keep it
     # alive (torch.frombuffer holds a reference to it).
     span = _round_up(total, HUGE_PAGE)
     region = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: not shmem
-    arena = torch.frombuffer(region, dtype=torch.uint8)  # [bytes]
-    start = _round_up(arena.data_ptr(), HUGE_PAGE) - arena.data_ptr()
+    base = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+    start = _round_up(base, HUGE_PAGE) - base
     try:
         region.madvise(mmap.MADV_HUGEPAGE, start, span)
     except (AttributeError, OSError):  # a Python or kernel without it
@@ -72,7 +72,10 @@ def to_huge_pages(model: nn.Module, *, min_bytes: int = HUGE_PAGE) -> int:
     offset = start
     with torch.no_grad():
         for t in tensors:
-            slot = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape)  # t's shape in the arena
+            # Each tensor a storage of its own over its slot, in its own dtype: one storage shared by several
+            # tensors (or a byte view of one) would make a compiled step that writes a KV cache's K, V and lengths
+            # see aliased inputs of different dtypes, which aot_autograd refuses.
+            slot = torch.frombuffer(region, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
             slot.copy_(t)
             t.data = slot
             offset += _round_up(t.nbytes, ALIGN)

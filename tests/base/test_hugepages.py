@@ -14,27 +14,10 @@ from torch import nn
 
 from static_decode.base import hugepages
 from static_decode.checkpoints.loading import default_model_path, load_model
+from tests.support.memory_maps import mapping_of
 
 THP = sys.platform == "linux" and hugepages.thp_mode() in ("always", "madvise")
 needs_thp = pytest.mark.skipif(not THP, reason="no transparent huge pages (Linux, mode always/madvise) here")
-
-
-def _mapping_of(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping holding `address`."""
-    fields: dict[str, str] = {}
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
-                start, end = (int(v, 16) for v in head.split("-"))
-                if inside:
-                    break
-                inside = start <= address < end
-            elif inside:
-                key, _, value = line.partition(":")
-                fields[key] = value.strip()
-    return fields
 
 
 @pytest.mark.parametrize(("text", "mode"), [("always [madvise] never\n", "madvise"),
@@ -71,7 +54,7 @@ def test_to_huge_pages_moves_every_tensor_keeping_values_and_ties():
     assert m.head.weight is m.embed.weight
     ptrs = [t.data_ptr() for t in (m.embed.weight, m.norm, m.codes)]
     assert all(p % hugepages.ALIGN == 0 for p in ptrs)
-    assert all(_mapping_of(p).get("THPeligible") == "1" for p in ptrs), _mapping_of(ptrs[0])
+    assert all(mapping_of(p).get("THPeligible") == "1" for p in ptrs), mapping_of(ptrs[0])
     x = torch.tensor([[1, 4095]])
     w = before["embed.weight"]
     assert torch.equal(m.head(m.embed(x)), torch.nn.functional.linear(w[x], w))
@@ -88,13 +71,13 @@ def test_load_model_puts_cpu_weights_on_huge_page_memory():
     """The embedded model (over 2 MB of weights) comes back from `load_model` in an eligible mapping."""
     model = load_model(default_model_path())
     w = model.embed_tokens.weight
-    mapping = _mapping_of(w.data_ptr())
+    mapping = mapping_of(w.data_ptr())
     assert mapping.get("THPeligible") == "1", mapping
     assert "hg" in mapping.get("VmFlags", "").split(), mapping  # advised MADV_HUGEPAGE, by to_huge_pages
     # A plain allocation of the same size is not advised. (Whether the kernel calls it eligible anyway depends on
     # its mode and per-size settings, so eligibility alone cannot tell the two apart.)
     fresh = torch.empty(w.shape, dtype=w.dtype)
-    assert "hg" not in _mapping_of(fresh.data_ptr()).get("VmFlags", "").split()
+    assert "hg" not in mapping_of(fresh.data_ptr()).get("VmFlags", "").split()
 
 
 @needs_thp
@@ -106,7 +89,7 @@ def test_cpu_kv_cache_is_allocated_on_huge_page_memory():
     cache = StaticKVCache(1, 2, 8192, 64, layers=1, dtype=torch.bfloat16)  # K and V 2.1 MB each
     ptrs = {name: getattr(cache, name).data_ptr() for name in ("k", "v", "lens")}
     for name, p in ptrs.items():
-        assert "hg" in _mapping_of(p).get("VmFlags", "").split(), name
+        assert "hg" in mapping_of(p).get("VmFlags", "").split(), name
     assert not cache.k.any() and not cache.v.any() and not cache.lens.any()
     k_new = torch.randn(1, 2, 3, 64, dtype=torch.bfloat16)
     v_new = torch.randn(1, 2, 3, 64, dtype=torch.bfloat16)
@@ -115,4 +98,4 @@ def test_cpu_kv_cache_is_allocated_on_huge_page_memory():
     assert cache.lens.tolist() == [3]
     assert {name: getattr(cache, name).data_ptr() for name in ("k", "v", "lens")} == ptrs
     small = StaticKVCache(1, 2, 64, 64, layers=1, dtype=torch.bfloat16)
-    assert "hg" not in _mapping_of(small.k.data_ptr()).get("VmFlags", "").split()
+    assert "hg" not in mapping_of(small.k.data_ptr()).get("VmFlags", "").split()

@@ -10,6 +10,8 @@ ends equal to the device lengths; greedy output equals transformers' with compil
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,7 @@ from static_decode import Generator, Llama, LlamaConfig, load_model
 from static_decode.checkpoints.loading import default_model_path
 from static_decode.steps.functions import STEPS
 from tests.support.checkpoints import VOCAB, hf_greedy, hf_llama, save
+from tests.support.memory_maps import mapping_of
 
 PROMPTS = [[5, 17, 33, 2, 90, 61, 7], [40, 41], [9] * 19]
 
@@ -225,6 +228,27 @@ def test_compiled_greedy_equals_transformers(pair):
     gen = Generator(model, max_len=40, chunk_size=8, compile=True, eos_token_ids=[], capture=opts)
     for p in (PROMPTS[0], PROMPTS[2]):  # a second request on the same generator
         assert gen.generate(p, 8) == hf_greedy(hf, p, 8, eos=None)
+
+
+def test_compiled_steps_write_a_cache_on_huge_pages(pair):
+    """A CPU cache over 2 MB lives in its own huge-page mappings (static_decode.base.hugepages): the compiled steps
+    that write its K, V and lengths in place still capture (one storage shared by them, or a byte view of one, is
+    refused by AOT autograd) and give transformers' tokens."""
+    from static_decode.base import hugepages
+
+    hf, model = pair
+    c = model.config
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+    max_len = -(-3 * hugepages.HUGE_PAGE // per_token)
+    torch._dynamo.reset()
+    opts = CaptureOptions(settings=CompileSettings(backend="aot_eager"), warm_up="lazy", progress=False)
+    gen = Generator(model, max_len=max_len, chunk_size=8, compile=True, eos_token_ids=[], capture=opts)
+    assert gen.generate(PROMPTS[0], 8) == hf_greedy(hf, PROMPTS[0], 8, eos=None)
+    before = ptrs(gen)
+    assert gen.generate(PROMPTS[2], 8) == hf_greedy(hf, PROMPTS[2], 8, eos=None)
+    assert ptrs(gen) == before
+    if sys.platform == "linux" and hugepages.thp_mode() in ("always", "madvise"):
+        assert "hg" in mapping_of(gen.cache.k.data_ptr()).get("VmFlags", "").split()
 
 
 @pytest.mark.slow
