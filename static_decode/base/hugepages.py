@@ -10,9 +10,12 @@ docs/internals.md#hugepages.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import os
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -20,6 +23,7 @@ from torch import nn
 
 HUGE_PAGE = 2 << 20  # the x86-64 / arm64 transparent huge page
 ALIGN = 64  # each tensor's slot starts on a cache line
+MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)  # Linux's value; Python's mmap names it from 3.13 on
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -49,15 +53,36 @@ def _movable(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def to_huge_pages(model: nn.Module, *, min_bytes: int = HUGE_PAGE) -> int:
+def drop_file_cache(files: Iterable[str | os.PathLike[str]]) -> None:
+    """Let the kernel drop the page cache of `files` (posix_fadvise DONTNEED; pages still mapped stay): checkpoint
+    files read once, released before their weights' huge-page copy is faulted in: a page cache full of a large
+    checkpoint left too few free 2 MB blocks for the weights of the models loaded after it, which then ran slower
+    (profiles/RESULTS.md). Files that cannot be opened are passed over."""
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except (AttributeError, OSError):  # a platform without it
+            pass
+        finally:
+            os.close(fd)
+
+
+def to_huge_pages(model: nn.Module, *, min_bytes: int = HUGE_PAGE,
+                  files: Iterable[str | os.PathLike[str]] = ()) -> int:
     """Move `model`'s CPU parameters and buffers onto memory advised for transparent huge pages, in place; returns
-    the bytes moved (0: nothing done, see the module's text). Values, dtypes, shapes and tying are unchanged."""
+    the bytes moved (0: nothing done, see the module's text). Values, dtypes, shapes and tying are unchanged.
+    `files`: the checkpoint files the model was read from, their page cache dropped first (drop_file_cache)."""
     if sys.platform != "linux" or thp_mode() not in ("always", "madvise"):
         return 0
     tensors = _movable(model)
     total = sum(_round_up(t.nbytes, ALIGN) for t in tensors)
     if total < min_bytes:
         return 0
+    drop_file_cache(files)
     # A fresh private anonymous mapping (nothing in it touched yet; torch's allocator may hand back heap memory
     # already faulted in 4 KB pages), one huge page larger than the aligned span it advises. The tensors keep it
     # alive (torch.frombuffer holds a reference to it).
@@ -79,4 +104,9 @@ def to_huge_pages(model: nn.Module, *, min_bytes: int = HUGE_PAGE) -> int:
             slot.copy_(t)
             t.data = slot
             offset += _round_up(t.nbytes, ALIGN)
+    # Where memory was fragmented (a page cache full of checkpoint files) the faults above fell back to 4 KB pages
+    # for part of the span; MADV_COLLAPSE (Linux 6.1 on) compacts and collapses them now, synchronously. Best
+    # effort: an older kernel refuses the advice, a busy one may leave some pages small.
+    with contextlib.suppress(OSError):
+        region.madvise(MADV_COLLAPSE, start, span)
     return total

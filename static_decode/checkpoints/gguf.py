@@ -254,7 +254,7 @@ def load_gguf(
     _say(file, plan, dtype, quantize)
     if quantize is not None:
         quantize_model(model, quantize)
-    to_huge_pages(model)
+    to_huge_pages(model, files=[file])  # the file's page cache dropped first
     return model.eval().requires_grad_(False)
 
 

@@ -175,7 +175,7 @@ def load_model(
     if stored is not None:
         model = quant_io.load_quantized(root, config, stored, dtype=parse_dtype(dtype), device=device, tp=tp,
                                         fused_projections=fused_projections, quantize=parse(quantize))
-        to_huge_pages(model)
+        to_huge_pages(model, files=sorted(root.glob("*.safetensors")))  # their page cache dropped first
         return model
     files = weight_files(root)
     dtype = parse_dtype(dtype)
@@ -234,7 +234,8 @@ def load_model(
     model.reset_rope()
     if scheme is not None:  # after slicing: a rank quantizes its own slices (static_decode.model.quant)
         quantize_model(model, scheme)
-    to_huge_pages(model)  # CPU weights onto transparent huge pages: a decode step streams them
+    # CPU weights onto transparent huge pages (a decode step streams them), the files' page cache dropped first
+    to_huge_pages(model, files=sorted(set(files.values())))
     return model.eval().requires_grad_(False)
 
 

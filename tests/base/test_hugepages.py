@@ -99,3 +99,29 @@ def test_cpu_kv_cache_is_allocated_on_huge_page_memory():
     assert {name: getattr(cache, name).data_ptr() for name in ("k", "v", "lens")} == ptrs
     small = StaticKVCache(1, 2, 64, 64, layers=1, dtype=torch.bfloat16)
     assert "hg" not in mapping_of(small.k.data_ptr()).get("VmFlags", "").split()
+
+
+def test_drop_file_cache_advises_each_file_it_can_open(tmp_path, monkeypatch):
+    import os
+
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((os.readlink(
+        f"/proc/self/fd/{fd}"), off, n, advice)))
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.gguf"
+    a.write_bytes(b"x" * 10)
+    b.write_bytes(b"y")
+    hugepages.drop_file_cache([a, tmp_path / "missing", str(b)])
+    assert calls == [(str(a), 0, 0, os.POSIX_FADV_DONTNEED), (str(b), 0, 0, os.POSIX_FADV_DONTNEED)]
+
+
+@needs_thp
+def test_load_model_drops_its_files_page_cache_before_the_huge_page_copy(monkeypatch):
+    """load_model hands its checkpoint files to to_huge_pages, which advises them DONTNEED before it allocates."""
+    import os
+
+    advised = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: advised.append(
+        os.readlink(f"/proc/self/fd/{fd}")))
+    path = default_model_path()
+    load_model(path)
+    assert advised == [str(path / "model.safetensors")]
