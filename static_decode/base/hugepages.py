@@ -10,7 +10,6 @@ docs/internals.md#hugepages.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import re
@@ -23,7 +22,6 @@ from torch import nn
 
 HUGE_PAGE = 2 << 20  # the x86-64 / arm64 transparent huge page
 ALIGN = 64  # each tensor's slot starts on a cache line
-MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)  # Linux's value; Python's mmap names it from 3.13 on
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -104,9 +102,4 @@ def to_huge_pages(model: nn.Module, *, min_bytes: int = HUGE_PAGE,
             slot.copy_(t)
             t.data = slot
             offset += _round_up(t.nbytes, ALIGN)
-    # Where memory was fragmented (a page cache full of checkpoint files) the faults above fell back to 4 KB pages
-    # for part of the span; MADV_COLLAPSE (Linux 6.1 on) compacts and collapses them now, synchronously. Best
-    # effort: an older kernel refuses the advice, a busy one may leave some pages small.
-    with contextlib.suppress(OSError):
-        region.madvise(MADV_COLLAPSE, start, span)
     return total
