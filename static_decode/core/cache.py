@@ -91,7 +91,7 @@ class StaticKVCache(torch.nn.Module):
         self.register_buffer("lens", torch.zeros(batch, dtype=torch.int64, device=device), persistent=False)
         self.host_lens = np.zeros(batch, dtype=np.int64)
         # On the CPU the cache's one allocation ends on transparent huge pages, before anything is written: a decode
-        # step at a long context streams the live K/V like the weights (a 4 KB page boundary every 16 key rows)
+        # step at a long context streams the live K/V like the weights (a 4 KB page holds only a few key rows)
         to_huge_pages(self)
 
     # ---- shape facts -------------------------------------------------------------------------------------

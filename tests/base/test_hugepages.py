@@ -6,6 +6,7 @@ kernels without THP are left alone.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -102,8 +103,6 @@ def test_cpu_kv_cache_is_allocated_on_huge_page_memory():
 
 
 def test_drop_file_cache_advises_each_file_it_can_open(tmp_path, monkeypatch):
-    import os
-
     calls = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((os.readlink(
         f"/proc/self/fd/{fd}"), off, n, advice)))
@@ -117,8 +116,6 @@ def test_drop_file_cache_advises_each_file_it_can_open(tmp_path, monkeypatch):
 @needs_thp
 def test_load_model_drops_its_files_page_cache_before_the_huge_page_copy(monkeypatch):
     """load_model hands its checkpoint files to to_huge_pages, which advises them DONTNEED before it allocates."""
-    import os
-
     advised = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: advised.append(
         os.readlink(f"/proc/self/fd/{fd}")))
