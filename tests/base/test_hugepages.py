@@ -6,6 +6,7 @@ kernels without THP are left alone.
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 
@@ -67,6 +68,17 @@ def test_small_models_are_left_alone():
     assert hugepages.to_huge_pages(m) == 0 and m.weight.data_ptr() == ptr
 
 
+def not_advised_control() -> bool:
+    """A fresh anonymous mapping is not advised: `hg` is to_huge_pages' doing, not the kernel's default. (Not a
+    malloc'd tensor: numpy advises its large arrays' memory, and malloc may hand that memory out again once freed.)"""
+    m = mmap.mmap(-1, 4 * hugepages.HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        return "hg" not in mapping_of(torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr()).get(
+            "VmFlags", "").split()
+    finally:
+        m.close()
+
+
 @needs_thp
 def test_load_model_puts_cpu_weights_on_huge_page_memory():
     """The embedded model (over 2 MB of weights) comes back from `load_model` in an eligible mapping."""
@@ -75,16 +87,17 @@ def test_load_model_puts_cpu_weights_on_huge_page_memory():
     mapping = mapping_of(w.data_ptr())
     assert mapping.get("THPeligible") == "1", mapping
     assert "hg" in mapping.get("VmFlags", "").split(), mapping  # advised MADV_HUGEPAGE, by to_huge_pages
-    # A plain allocation of the same size is not advised. (Whether the kernel calls it eligible anyway depends on
-    # its mode and per-size settings, so eligibility alone cannot tell the two apart.)
-    fresh = torch.empty(w.shape, dtype=w.dtype)
-    assert "hg" not in mapping_of(fresh.data_ptr()).get("VmFlags", "").split()
+    # ...in to_huge_pages' region, whose first slot starts on a huge page (malloc'd memory, which numpy may have
+    # advised for an array freed earlier, does not)
+    assert min(t.data_ptr() for t in [*model.parameters(), *model.buffers()]) % hugepages.HUGE_PAGE == 0
+    assert not_advised_control() is True
 
 
 @needs_thp
-def test_cpu_kv_cache_is_allocated_on_huge_page_memory():
+def test_cpu_kv_cache_is_allocated_on_huge_page_memory(monkeypatch):
     """A CPU StaticKVCache over 2 MB starts in an advised mapping (its K/V and lengths), stays there as it is
     written (never moved), and reads back what was written; a cache under 2 MB keeps its plain allocation."""
+    from static_decode.core import cache as cache_module
     from static_decode.core.cache import StaticKVCache
 
     cache = StaticKVCache(1, 2, 8192, 64, layers=1, dtype=torch.bfloat16)  # K and V 2.1 MB each
@@ -98,8 +111,11 @@ def test_cpu_kv_cache_is_allocated_on_huge_page_memory():
     assert torch.equal(cache.k[0, :, :, :3], k_new) and torch.equal(cache.v[0, :, :, :3], v_new)
     assert cache.lens.tolist() == [3]
     assert {name: getattr(cache, name).data_ptr() for name in ("k", "v", "lens")} == ptrs
-    small = StaticKVCache(1, 2, 64, 64, layers=1, dtype=torch.bfloat16)
-    assert "hg" not in mapping_of(small.k.data_ptr()).get("VmFlags", "").split()
+    assert cache.k.data_ptr() % hugepages.HUGE_PAGE == 0  # the region's first slot
+    moved = []
+    monkeypatch.setattr(cache_module, "to_huge_pages", lambda m: moved.append(hugepages.to_huge_pages(m)))
+    StaticKVCache(1, 2, 64, 64, layers=1, dtype=torch.bfloat16)
+    assert moved == [0]  # under 2 MB: its plain allocation kept
 
 
 def test_drop_file_cache_advises_each_file_it_can_open(tmp_path, monkeypatch):
