@@ -18,7 +18,8 @@ changes speed between phases; medians over the rounds):
 
 GB/s counts the weight's bytes (scales included) per call. Each weight's copies fill `--cold-mb` (default 2 GiB,
 several times a 504 MiB L3) and the calls cycle through them, so every call reads cold weights from memory, as a
-decode step does. `--shapes llama3b` takes Llama-3.2-3B's projections (q/k/v and gate/up joined, as the model
+decode step does; the copies sit on transparent huge pages, as a loaded model's weights do (`--pages 4k`: not).
+`--shapes llama3b` takes Llama-3.2-3B's projections (q/k/v and gate/up joined, as the model
 holds them); `--only gemv` times only the products the decode step runs (gemv_bf16 and gemv_q), which is what
 their rates are compared on. Each kernel's format holds its own copies: at the default, the whole list takes ~14 GB
 of memory and `--only gemv` ~6 GB.
@@ -35,6 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from static_decode.base import hugepages
 from static_decode.kernels import cpu_kernel
 from static_decode.model import quant
 from static_decode.model.quant import QuantWeight
@@ -49,8 +51,22 @@ INT4MM = torch.ops.aten._weight_int4pack_mm_for_cpu
 COLD_BYTES = 2048 * 1024**2  # copies of each weight, cycled through, so the caches hold none of them (--cold-mb)
 
 
+PAGES = "huge"  # where the copies sit (--pages): "huge" as a loaded model's weights (load_model), or "4k"
+
+
 def _copies(nbytes: int) -> int:
     return max(2, min(256, COLD_BYTES // max(nbytes, 1)))
+
+
+def _placed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors moved onto transparent huge pages as load_model moves a model's weights (--pages huge; a product
+    streaming 4 KB pages reads slower, so copies on them would not say how fast a decode step's products run)."""
+    if PAGES == "huge":
+        holder = torch.nn.Module()
+        for i, t in enumerate(tensors):
+            holder.register_buffer(f"t{i}", t)
+        hugepages.to_huge_pages(holder)  # each tensor swapped in place
+    return tensors
 
 
 def _int4_pack(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +90,7 @@ def candidates(N: int, K: int, only_gemv: bool = False) -> dict[str, tuple[int, 
     w = torch.randn(N, K, dtype=torch.bfloat16) / K**0.5  # [N, K]
     out: dict[str, tuple[int, Callable]] = {}
     n = _copies(w.nbytes)
-    ws = [w.clone() for _ in range(n)]
+    ws = _placed([w.clone() for _ in range(n)])
     if not only_gemv:
         out["bf16 F.linear"] = (w.nbytes, lambda x, i: F.linear(x, ws[i % n]))
     if cpu_kernel.bf16_dot() and cpu_kernel.available():
@@ -122,7 +138,8 @@ def _ours(w: torch.Tensor, N: int, K: int) -> dict[str, tuple[int, Product]]:
     for spec in ("int8", "int4-g32"):
         qw = QuantWeight(w, quant.parse(spec))
         nq = _copies(qw.nbytes)
-        qs = [(qw.qweight.clone(), qw.scales.clone()) for _ in range(nq)]
+        flat = _placed([t.clone() for _ in range(nq) for t in (qw.qweight, qw.scales)])
+        qs = list(zip(flat[::2], flat[1::2], strict=True))
         group = qw.scheme.group
         out[f"{spec} gemv_q"] = (
             qw.nbytes, lambda x, i, qs=qs, nq=nq, g=group: torch.ops.static_decode_cpu.gemv_q(x, *qs[i % nq], g)
@@ -168,8 +185,11 @@ def main() -> None:
                    help="MiB of copies each weight's calls cycle through (several times the last-level cache)")
     p.add_argument("--only", choices=("all", "gemv"), default="all",
                    help="gemv: only gemv_bf16 and gemv_q (the decode step's products)")
+    p.add_argument("--pages", choices=("huge", "4k"), default="huge",
+                   help="the copies on transparent huge pages, as load_model puts weights (default), or 4 KB pages")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    globals()["PAGES"] = args.pages
     shapes: dict[str, tuple[int, int]] = {}
     for s in args.shapes.split(","):
         if s not in SHAPES:
@@ -183,7 +203,8 @@ def main() -> None:
     rows = measure(shapes, args.rounds, args.calls, args.only == "gemv")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": torch.get_num_threads(), "cold_mb": args.cold_mb, "rows": rows}, f, indent=1)
+            json.dump({"threads": torch.get_num_threads(), "cold_mb": args.cold_mb, "pages": args.pages,
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ constexpr int64_t kAhead = 8192;
 //   ms. On the Xeon that loop made the same steps slower (70 -> 90 ms, 2 threads), so it keeps one chunk a step
 //   (int4_block_vnni), 2 rows, 4 KB ahead. int4_block_vnni also takes groups 64 and 128: 2 rows on the Xeon, 3 rows
 //   8 KB ahead on the Zen 5, where 2 rows ran short of independent work.
+constexpr int64_t kRowStream = 4096;  // int4_block_vnni: rows of this many packed bytes or more prefetched per row
 struct QuantPlan {
   int64_t int8_linear;  // 2 rows with a linear run this many bytes ahead of the block; 0: 4 rows, each per row
   int int4_rows;        // int4_block_vnni's
@@ -389,10 +390,20 @@ void int4_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbu
   from_scales<R>(acc, [&](__m512* off) {  // group 32: s * d
     int4_scales<R>(m, n, G, x.a8grp, -8.f, sbuf, off, kGroup == 32 ? x.a4blk : nullptr);
   });
+  // Rows of kRowStream bytes or more (the 3B shape's down projection, K 8192): each row's bytes in the next block at
+  // the column being read, one line every other chunk (the linear run read them at 0.82-0.84 of the bfloat16 GEMV's
+  // rate, this 0.89-0.92; on shorter rows it was the other way round: 0.83-0.87 against 0.91-0.95).
+  const bool per_row = half >= kRowStream;
   const char* ahead = reinterpret_cast<const char*>(Q + n * half) + ahead_bytes;
+  const char* next = reinterpret_cast<const char*>(Q + (n + R) * half);
   for (int64_t c = 0; c < C; ++c) {
-    _mm_prefetch(ahead + c * 32 * R, _MM_HINT_T0);  // the bytes this step consumes, ahead_bytes further on
-    if (R > 2) _mm_prefetch(ahead + c * 32 * R + 64, _MM_HINT_T0);
+    if (per_row) {
+      if (c % 2 == 0)
+        for (int r = 0; r < R; ++r) _mm_prefetch(next + r * half + 32 * c, _MM_HINT_T0);
+    } else {
+      _mm_prefetch(ahead + c * 32 * R, _MM_HINT_T0);  // the bytes this step consumes, ahead_bytes further on
+      if (R > 2) _mm_prefetch(ahead + c * 32 * R + 64, _MM_HINT_T0);
+    }
     const __m512i a = _mm512_loadu_si512(x.a8 + 64 * c);
     const __m512 dv = kGroup == 32 ? _mm512_setzero_ps() : _mm512_loadu_ps(x.a4d + 16 * c);  // group 32: in sbuf
     for (int r = 0; r < R; ++r) {
