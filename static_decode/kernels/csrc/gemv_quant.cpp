@@ -70,7 +70,7 @@ constexpr int64_t kAhead = 8192;
 //   ms. On the Xeon that loop made the same steps slower (70 -> 90 ms, 2 threads), so it keeps one chunk a step
 //   (int4_block_vnni), 2 rows, 4 KB ahead. int4_block_vnni also takes groups 64 and 128: 2 rows on the Xeon, 3 rows
 //   8 KB ahead on the Zen 5, where 2 rows ran short of independent work.
-constexpr int64_t kRowStream = 4096;  // int4_block_vnni: rows of this many packed bytes or more prefetched per row
+constexpr int64_t kRowStream = 4096;  // int4 rows of this many packed bytes or more: 2 at a time, prefetched per row
 struct QuantPlan {
   int64_t int8_linear;  // 2 rows with a linear run this many bytes ahead of the block; 0: 4 rows, each per row
   int int4_rows;        // int4_block_vnni's
@@ -380,7 +380,7 @@ void int4_block(const QuantMat& m, const QuantRow& x, int64_t n, float* sbuf, fl
 // value, in the upper; one vpdpbusd then gives each block's sum q * a in 8 lanes (the upper ones 16 times it, which
 // their scale a4d takes back), scaled by the block's d and the group's s. The offset term (z - 8 s) times the row's
 // sum per group (a8grp: sum over its blocks of d * sum of codes) comes from int4_scales.
-template <int kGroup, int R>
+template <int kGroup, int R, bool kPerRow = false>
 void int4_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbuf, float* y, int64_t ahead_bytes) {
   const int64_t K = x.K, G = K / kGroup, half = K / 2, C = K / 64;
   const auto* Q = static_cast<const uint8_t*>(m.q);
@@ -390,14 +390,14 @@ void int4_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbu
   from_scales<R>(acc, [&](__m512* off) {  // group 32: s * d
     int4_scales<R>(m, n, G, x.a8grp, -8.f, sbuf, off, kGroup == 32 ? x.a4blk : nullptr);
   });
-  // Rows of kRowStream bytes or more (the 3B shape's down projection, K 8192): each row's bytes in the next block at
-  // the column being read, one line every other chunk (the linear run read them at 0.82-0.84 of the bfloat16 GEMV's
-  // rate, this 0.89-0.92; on shorter rows it was the other way round: 0.83-0.87 against 0.91-0.95).
-  const bool per_row = half >= kRowStream;
+  // kPerRow (rows of kRowStream bytes or more: the 3B shape's down projection, K 8192): each row's bytes in the next
+  // block at the column being read, one line every other chunk (the linear run read them at 0.82-0.84 of the bfloat16
+  // GEMV's rate, this 0.89-0.92; on shorter rows it was the other way round: 0.83-0.87 against 0.91-0.95). A template
+  // argument: a branch in the loop cost the short rows ~5% on one thread.
   const char* ahead = reinterpret_cast<const char*>(Q + n * half) + ahead_bytes;
   const char* next = reinterpret_cast<const char*>(Q + (n + R) * half);
   for (int64_t c = 0; c < C; ++c) {
-    if (per_row) {
+    if constexpr (kPerRow) {
       if (c % 2 == 0)
         for (int r = 0; r < R; ++r) _mm_prefetch(next + r * half + 32 * c, _MM_HINT_T0);
     } else {
@@ -488,6 +488,8 @@ void int4_rows_bf16(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1
     } else {
       if (plan.int4_rows == 3)
         for (; n + 3 <= n1; n += 3) int4_block_vnni<kGroup, 3>(m, x, n, sbuf.data(), y, plan.int4_ahead);
+      if (x.K / 2 >= kRowStream)
+        for (; n + 2 <= n1; n += 2) int4_block_vnni<kGroup, 2, true>(m, x, n, sbuf.data(), y, plan.int4_ahead);
       for (; n + 2 <= n1; n += 2) int4_block_vnni<kGroup, 2>(m, x, n, sbuf.data(), y, plan.int4_ahead);
     }
     for (; n < n1; ++n) int4_block_vnni<kGroup, 1>(m, x, n, sbuf.data(), y, plan.int4_ahead);
