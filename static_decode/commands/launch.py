@@ -13,7 +13,6 @@ those variables (or with WORLD_SIZE=1) nothing here touches torch.distributed.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import sys
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from typing import TextIO
 import torch
 
 from static_decode.commands.args import check_device
-from static_decode.model.parallel import SINGLE, TensorParallel
+from static_decode.model.parallel import SINGLE, TensorParallel, import_before_group
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -95,12 +94,7 @@ def session(requested_device: str | None = None) -> Iterator[Launch]:
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks on one CPU share its cores; torch's default (every core per rank) oversubscribes them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    # Imported before the group exists, on purpose: torch._dynamo and the functional collectives, imported after
-    # init_process_group, keep the group alive past destroy_process_group (torch 2.13), and so its gloo worker
-    # threads live on into the interpreter's teardown, where one releasing a collective's tensor takes the GIL and
-    # aborts the process ("terminate called without an active exception"; tests/commands/test_launch.py).
-    for name in ("torch._dynamo", "torch.distributed._functional_collectives"):
-        importlib.import_module(name)
+    import_before_group()  # tests/commands/test_launch.py
 
     dist.init_process_group(backend, rank=rank, world_size=world)
     stdout, stderr = sys.stdout, sys.stderr

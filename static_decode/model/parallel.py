@@ -10,6 +10,7 @@ docs/internals.md#parallel.
 
 from __future__ import annotations
 
+import importlib
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -176,3 +177,12 @@ def joined_rows(parts: tuple[int, ...], tp: TensorParallel) -> list[tuple[int, i
 
 def divisors(n: int) -> list[int]:
     return [w for w in range(1, n + 1) if n % w == 0]
+
+
+def import_before_group() -> None:
+    """Import, before `init_process_group`, what a process group must not see imported after it: torch._dynamo and
+    the functional collectives, imported after it, keep the group alive past destroy_process_group (torch 2.13), so
+    its gloo worker threads live on into the interpreter's teardown, where one releasing a collective's tensor takes
+    the GIL and aborts the process ("terminate called without an active exception")."""
+    for name in ("torch._dynamo", "torch.distributed._functional_collectives"):
+        importlib.import_module(name)
