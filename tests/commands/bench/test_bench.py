@@ -343,3 +343,16 @@ def test_read_bandwidth_is_bytes_over_the_best_sum():
     ticks = iter([0.0, 0.5, 1.0, 1.25, 2.0, 3.0])  # sums of 0.5, 0.25 and 1.0 s: the best is 0.25
     gbps = bench_machine.read_bandwidth(torch.device("cpu"), nbytes=4 * 1000, repeats=3, clock=lambda: next(ticks))
     assert gbps == pytest.approx(4000 / 0.25 / 1e9)
+
+
+def test_a_request_form_is_judged_by_the_ratio_it_shows():
+    """A form 1.1004x as slow as plain greedy shows 1.1 and meets the 1.1 slack; 1.1006x shows 1.101 and does not."""
+    rows = [{"system": "static-decode", "context": 8, "ms_per_token": 10.0},
+            {"system": "static-decode min-p", "context": 8, "ms_per_token": 11.004},
+            {"system": "static-decode logprobs", "context": 8, "ms_per_token": 11.006}]
+    systems = [{"system": "static-decode"}, {"system": "static-decode min-p", "request": "min-p"},
+               {"system": "static-decode logprobs", "request": "logprobs"}]
+    doc = {"bench": {"contexts": [8], "max_len": 16}, "rows": rows, "systems": systems}
+    forms = bench_report.checks(doc)["request_forms_over_greedy"]["by_context"]
+    assert [(f["system"], f["ratio"], f["met"]) for f in forms] == [
+        ("static-decode min-p", 1.1, True), ("static-decode logprobs", 1.101, False)]
