@@ -97,7 +97,8 @@ template <typename S>
 void products(const S* x, int64_t K, std::initializer_list<Product> mats, static_decode_kernels::QuantRow& row) {
   const Product& head = *mats.begin();
   if (head.q != nullptr) {  // a layer's products are all quantized or none
-    const std::vector<float> xf(x, x + K);  // the row in float32 (each value converted on the copy)
+    std::vector<float> xf(K);  // the row in float32
+    at::vec::convert(x, xf.data(), K);
     static_decode_kernels::prepare_row(xf.data(), K, head.q->group, static_decode_kernels::int4_bf16_path(*head.q),
                                        row, static_decode_kernels::int8_dot_path(*head.q));
   }
@@ -209,6 +210,9 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
                   const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after, int64_t read_len,
                   at::TensorList w, const std::vector<static_decode_kernels::QuantMat>& quant, double eps,
                   at::IntArrayRef windows) {
+  // Everything below reads and writes raw memory: the views and buffers made here need no autograd tracking, which
+  // made a layer's cache views (select, slice) several times dearer, serially, between the parallel products.
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   const at::Tensor &k = cache.k, &v = cache.v;
   const int64_t L = k.size(0), Hkv = k.size(2), d = k.size(4), D = x.size(-1);
   const int64_t Nq = w[kQ].size(0), Nkv = w[kK].size(0), inner = w[kGate].size(0), Hq = Nq / d, G = Hq / Hkv;

@@ -211,6 +211,17 @@ void quantize_row8(const float* x, int64_t K, int64_t group, QuantRow& row) {
   row.q8.assign(64 * chunks, 0);
   row.d8.assign(16 * chunks, 0.f);
   row.fix8.assign(16 * chunks, 0);
+  const bool int4 = group > 0;
+  if (int4) {  // the upper lanes' scale over 16 (their codes come in 16 times their value), and per group the sum of
+    row.d4.assign(16 * chunks, 0.f);  // d * (sum of codes) over its blocks, and at group 32 each block's d4
+    row.grp8.assign(K / group, 0.f);
+    row.blk4.assign(group == B ? K / B : 0, 0.f);
+  }
+  // the buffers as locals: through the vectors, every store made the compiler reload their pointers
+  int8_t* q8 = row.q8.data();
+  float* d8 = row.d8.data();
+  int32_t* fix8 = row.fix8.data();
+  float *d4s = row.d4.data(), *grp8 = row.grp8.data(), *blk4 = row.blk4.data();
   for (int64_t b = 0; b * B < K; ++b) {
     const int64_t k0 = b * B, n = std::min(B, K - k0);
     const __mmask16 m0 = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
@@ -226,30 +237,28 @@ void quantize_row8(const float* x, int64_t K, int64_t group, QuantRow& row) {
       q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v0, dv), -lim), lim));
       q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v1, dv), -lim), lim));
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q8.data() + k0), _mm512_cvtsepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q8.data() + k0 + 16), _mm512_cvtsepi32_epi8(q1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + k0), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + k0 + 16), _mm512_cvtsepi32_epi8(q1));
     const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    for (int j = 0; j < 8; ++j) {  // block b fills lanes 8 (b % 2) .. of its chunk's 16
-      row.d8[8 * b + j] = d;
-      row.fix8[8 * b + j] = -16 * sum;
+    // block b fills lanes 8 (b % 2) .. of its chunk's 16: one masked store each (this runs serially before every
+    // product)
+    const __mmask16 lanes = static_cast<__mmask16>(b % 2 ? 0xFF00 : 0x00FF);
+    _mm512_mask_storeu_ps(d8 + 16 * (b / 2), lanes, _mm512_set1_ps(d));
+    _mm512_mask_storeu_epi32(fix8 + 16 * (b / 2), lanes, _mm512_set1_epi32(-16 * sum));
+    if (int4) {
+      const float d4 = b % 2 ? d * 0.0625f : d;
+      _mm512_mask_storeu_ps(d4s + 16 * (b / 2), lanes, _mm512_set1_ps(d4));
+      grp8[k0 / group] += d * static_cast<float>(sum);  // K is whole groups here (quant_mat checks it)
+      if (group == B) blk4[b] = d4;  // group 32: each group is one block; its d4 for int4_scales
     }
   }
   row.a8 = row.q8.data();
   row.a8d = row.d8.data();
   row.a8fix = row.fix8.data();
-  if (group > 0) {  // int4: the upper lanes' scale over 16 (their codes come in 16 times their value), and per
-    row.d4.resize(row.d8.size());  // group the sum of d * (sum of codes) over its blocks
-    for (size_t i = 0; i < row.d8.size(); ++i) row.d4[i] = i % 16 >= 8 ? row.d8[i] * 0.0625f : row.d8[i];
-    row.grp8.assign(K / group, 0.f);
-    for (int64_t b = 0; b * B < K; ++b)
-      row.grp8[b * B / group] += row.d8[8 * b] * static_cast<float>(row.fix8[8 * b] / -16);
+  if (int4) {
     row.a4d = row.d4.data();
     row.a8grp = row.grp8.data();
-    if (group == B) {  // group 32: each group is one block; its d (over 16 for the odd ones) for int4_scales
-      row.blk4.resize(K / B);
-      for (int64_t b = 0; b < K / B; ++b) row.blk4[b] = row.d4[8 * b];
-      row.a4blk = row.blk4.data();
-    }
+    if (group == B) row.a4blk = row.blk4.data();
     if (group == B && quant_plan().int4_pair) {  // int4_pair_vnni's order of the codes
       row.q4.assign(row.q8.begin(), row.q8.end());
       for (int64_t p = 0; p + 128 <= K; p += 128) {
@@ -515,14 +524,16 @@ void static_decode_kernels::prepare_row(const float* x, int64_t K, int64_t group
   // 16 values a step, each rounded as c10::BFloat16 rounds it (to nearest even on the bits, NaN to 0x7FC0): this
   // runs on one thread before every product, and a value at a time it cost an int4 product more than its 8 rows.
   const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), qnan = _mm512_set1_epi32(0x7FC0);
+  uint16_t* rb = row.b.data();  // locals: through the vectors, each store reloaded their pointers
+  float* rf = row.f.data();
   for (; k + 16 <= K; k += 16) {
     const __m512 v = _mm512_loadu_ps(x + k);
     const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, lsb)), 16);
     r = _mm512_mask_mov_epi32(r, _mm512_fpclass_ps_mask(v, 0x81), qnan);  // QNaN | SNaN
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.b.data() + k), _mm512_cvtepi32_epi16(r));
-    _mm512_storeu_ps(row.f.data() + k, bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)) : v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(rb + k), _mm512_cvtepi32_epi16(r));
+    _mm512_storeu_ps(rf + k, bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)) : v);
   }
 #endif
   for (; k < K; ++k) {
@@ -530,15 +541,17 @@ void static_decode_kernels::prepare_row(const float* x, int64_t K, int64_t group
     row.b[k] = r.x;
     row.f[k] = bf16 ? static_cast<float>(r) : x[k];  // the bfloat16 path's sums are of the values it multiplies
   }
-  row.sums.assign(group > 0 ? K / group : 0, 0.f);
-  for (int64_t g = 0; group > 0 && g < K / group; ++g) {  // K is whole groups (quant_mat checks it)
+  // The sums per group, for the products that take the row in float32 or bfloat16 (int4_rows_float, int4_block);
+  // those over the row's int8 codes (int8 set) use the codes' own sums (a8grp), so this serial pass is skipped there.
+  row.sums.assign(group > 0 && !int8 ? K / group : 0, 0.f);
+  for (int64_t g = 0; group > 0 && !int8 && g < K / group; ++g) {  // K is whole groups (quant_mat checks it)
     float sum = 0.f;
     for (int64_t j = g * group; j < (g + 1) * group; ++j) sum += row.f[j];
     row.sums[g] = sum;
   }
   row.xf = row.f.data();
   row.xb = row.b.data();
-  row.xsum = row.sums.data();
+  row.xsum = row.sums.empty() ? nullptr : row.sums.data();
   row.a8 = nullptr;
   row.a4blk = nullptr;
   row.a4pair = nullptr;
