@@ -39,7 +39,7 @@ from capture import CaptureOptions  # noqa: E402
 from static_decode import Generator, Llama, LlamaConfig, load_model  # noqa: E402
 from static_decode.checkpoints.loading import default_model_path  # noqa: E402
 from static_decode.model.llama import hf_name  # noqa: E402
-from static_decode.model.parallel import SINGLE, TensorParallel  # noqa: E402
+from static_decode.model.parallel import SINGLE, TensorParallel, open_group  # noqa: E402
 from static_decode.steps.functions import GREEDY_KINDS  # noqa: E402
 
 # Wide enough that a decode step reads ~0.4 GB of weights (bandwidth-bound on one core), with 8 KV heads.
@@ -114,7 +114,7 @@ def measure(ckpt: Path, tp: TensorParallel, args: argparse.Namespace) -> list[di
 
 def _rank(rank: int, world: int, port: int, ckpt: Path, args: argparse.Namespace, dest: Path) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    open_group("gloo", rank, world, f"tcp://127.0.0.1:{port}")
     try:
         rows = measure(ckpt, TensorParallel(rank=rank, world=world), args)
         if rank == 0:

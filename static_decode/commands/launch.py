@@ -22,7 +22,7 @@ from typing import TextIO
 import torch
 
 from static_decode.commands.args import check_device
-from static_decode.model.parallel import SINGLE, TensorParallel, import_before_group
+from static_decode.model.parallel import SINGLE, TensorParallel, open_group
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -94,9 +94,7 @@ def session(requested_device: str | None = None) -> Iterator[Launch]:
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks on one CPU share its cores; torch's default (every core per rank) oversubscribes them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    import_before_group()  # tests/commands/test_launch.py
-
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    open_group(backend, rank, world)  # tests/commands/test_launch.py
     stdout, stderr = sys.stdout, sys.stderr
     quiet = open(os.devnull, "w") if rank != 0 else None  # noqa: SIM115 (closed in finally)
     if quiet is not None:

@@ -179,10 +179,13 @@ def divisors(n: int) -> list[int]:
     return [w for w in range(1, n + 1) if n % w == 0]
 
 
-def import_before_group() -> None:
-    """Import, before `init_process_group`, what a process group must not see imported after it: torch._dynamo and
-    the functional collectives, imported after it, keep the group alive past destroy_process_group (torch 2.13), so
-    its gloo worker threads live on into the interpreter's teardown, where one releasing a collective's tensor takes
-    the GIL and aborts the process ("terminate called without an active exception")."""
+def open_group(backend: str, rank: int, world: int, init_method: str | None = None) -> None:
+    """`torch.distributed.init_process_group`, with torch._dynamo and the functional collectives imported first:
+    imported after it, they keep the group alive past destroy_process_group (torch 2.13), so its gloo worker threads
+    live on into the interpreter's teardown, where one releasing a collective's tensor takes the GIL and aborts the
+    process ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
     for name in ("torch._dynamo", "torch.distributed._functional_collectives"):
         importlib.import_module(name)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)

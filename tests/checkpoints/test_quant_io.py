@@ -27,7 +27,7 @@ from static_decode import Generator, load_model
 from static_decode.checkpoints import quant_io
 from static_decode.checkpoints.loading import default_model_path
 from static_decode.model import quant
-from static_decode.model.parallel import TensorParallel, import_before_group, shard_dim
+from static_decode.model.parallel import TensorParallel, open_group, shard_dim
 from tests.support.checkpoints import feed, hf_llama, save
 
 ROWS = [list(range(3, 40)), [7, 1, 99, 4]]  # ragged, through chunked prefill
@@ -250,8 +250,7 @@ def _tp_rank(rank: int, world: int, port: int, out: Path, dest: Path) -> None:
     from tests.support import tp_worker
 
     torch.set_num_threads(1)
-    import_before_group()  # else a rank can abort at exit (static_decode.model.parallel)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    open_group("gloo", rank, world, f"tcp://127.0.0.1:{port}")
     try:
         tp = TensorParallel(rank, world)
         model = load_model(out, tp=tp)

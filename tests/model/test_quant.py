@@ -289,11 +289,10 @@ def _tp_results(ckpt, tp, spec):
 def _tp_rank(rank, world, port, ckpt, dest):
     import torch.distributed as dist
 
-    from static_decode.model.parallel import TensorParallel, import_before_group
+    from static_decode.model.parallel import TensorParallel, open_group
 
     torch.set_num_threads(1)
-    import_before_group()  # else a rank can abort at exit (static_decode.model.parallel)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    open_group("gloo", rank, world, f"tcp://127.0.0.1:{port}")
     try:
         torch.save({spec: _tp_results(ckpt, TensorParallel(rank, world), spec) for spec in ("int8", "int4")},
                    dest / f"rank{rank}.pt")

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from capture import BucketLadder, CaptureOptions, CompileSettings
 from static_decode import Generator, load_model
-from static_decode.model.parallel import SINGLE, TensorParallel, import_before_group
+from static_decode.model.parallel import SINGLE, TensorParallel, open_group
 
 PROMPTS = [[5, 17, 33, 2, 90, 61, 7, 8, 1], [40, 41], [9] * 13]  # ragged: 9, 2, 13 tokens
 NEW_TOKENS = 10
@@ -73,8 +73,7 @@ def results(ckpt: Path, tp: TensorParallel, compile_mode: str | None) -> dict[st
 
 def _rank_main(rank: int, world: int, port: int, ckpt: Path, compile_mode: str | None, dest: Path) -> None:
     torch.set_num_threads(1)
-    import_before_group()  # else a rank can abort at exit (static_decode.model.parallel)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    open_group("gloo", rank, world, f"tcp://127.0.0.1:{port}")
     try:
         tp = TensorParallel.current()  # what a script under torchrun does (docs/guide.md)
         if tp != TensorParallel(rank=rank, world=world):

@@ -543,8 +543,9 @@ void static_decode_kernels::prepare_row(const float* x, int64_t K, int64_t group
   }
   // The sums per group, for the products that take the row in float32 or bfloat16 (int4_rows_float, int4_block);
   // those over the row's int8 codes (int8 set) use the codes' own sums (a8grp), so this serial pass is skipped there.
-  row.sums.assign(group > 0 && !int8 ? K / group : 0, 0.f);
-  for (int64_t g = 0; group > 0 && !int8 && g < K / group; ++g) {  // K is whole groups (quant_mat checks it)
+  const int64_t sums = group > 0 && !int8 ? K / group : 0;  // K is whole groups (quant_mat checks it)
+  row.sums.assign(sums, 0.f);
+  for (int64_t g = 0; g < sums; ++g) {
     float sum = 0.f;
     for (int64_t j = g * group; j < (g + 1) * group; ++j) sum += row.f[j];
     row.sums[g] = sum;
