@@ -40,6 +40,9 @@
 namespace {
 
 using static_decode_kernels::attention::kBlock;
+using static_decode_kernels::attention::accumulate_rows;
+using static_decode_kernels::attention::group_rows;
+using static_decode_kernels::attention::NextRows;
 using static_decode_kernels::attention::combine;
 using static_decode_kernels::attention::plan_splits;
 using static_decode_kernels::attention::window_start;
@@ -95,38 +98,51 @@ inline void scores(const float* q, int64_t M, const float* kb, int64_t n, int64_
 // One work item: keys [s0, s1) of KV head (b, h) for its M query rows; leaves the unnormalised output acc [M, d],
 // the running max mx [M] and sum l [M] (l == 0: no visible key in this split).
 // first: each row's oldest visible key (a sliding window), or nullptr (every key from 0).
+// The value pass of each block runs 16 keys at a time, each step followed by the scores of 16 keys of the next
+// block: key and value rows are then read side by side at the arithmetic's pace, where a block's keys read in one
+// burst after the previous block's value pass left the cold loop waiting on memory (profiles/RESULTS.md, "Decode
+// attention's arithmetic and memory"). The arithmetic and its order are those of one block at a time.
 template <typename T, int NX>
 void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, const T* v, int64_t vs, int64_t s0,
                 int64_t s1, const int64_t* limit, const int64_t* first, float scale, float* acc, float* mx, float* l) {
   constexpr int64_t d = NX * Vec::size();
-  alignas(64) float kbuf[kBlock * d];  // the key rows widened to float32 where they are scored by FMAs
-  alignas(64) float s[kMaxRows * kBlock];
+  constexpr int64_t kStep = 16;  // keys a value step, and keys of the next block scored after it
+  alignas(64) float kbuf[kStep * d];  // key rows widened to float32 where they are scored by FMAs
+  alignas(64) float sbuf[2][kMaxRows * kBlock];  // this block's scores (then weights) and the next block's scores
   std::fill(acc, acc + M * d, 0.f);
   std::fill(mx, mx + M, kNegInf);
   std::fill(l, l + M, 0.f);
   constexpr int R = group_rows<NX>;
   float alpha[kMaxRows];
+  float ones[kMaxRows];
+  std::fill(ones, ones + M, 1.f);
   int64_t active[kMaxRows];
-  for (int64_t j0 = s0; j0 < s1; j0 += kBlock) {
-    const int64_t n = std::min(kBlock, s1 - j0);
-    const int64_t nv = (n + Vec::size() - 1) / Vec::size() * Vec::size();
-    bool scored = false;  // by AVX512-BF16 dot products straight from the cache, where they apply
+  // s[m * kBlock + j] for keys [j0, j0 + n) of a block, where s points at key j0's column (a step of a block).
+  const auto score = [&](int64_t j0, int64_t n, float* s) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, at::BFloat16> && NX % 2 == 0) {
-      if (bf16_q) {
+      if (bf16_q) {  // AVX512-BF16 dot products straight from the cache's rows
         scores16_bf16<NX>(q, M, k + j0 * ks, ks, n, j0, limit, scale, s);
-        scored = true;
+        return;
       }
     }
 #endif
-    if (!scored) {
-      const float* kb = float_rows<T>(k + j0 * ks, ks, n, d, kbuf);
+    const float* kb = float_rows<T>(k + j0 * ks, ks, n, d, kbuf);
 #if defined(CPU_CAPABILITY_AVX512)
-      scores16<NX>(q, M, kb, n, j0, limit, scale, s);
+    scores16<NX>(q, M, kb, n, j0, limit, scale, s);
 #else
-      scores<NX>(q, M, kb, n, j0, limit, scale, s);
+    scores<NX>(q, M, kb, n, j0, limit, scale, s);
 #endif
-    }
+  };
+  const auto score_block = [&](int64_t j0, int64_t n, float* s) {
+    for (int64_t g = 0; g < n; g += kStep) score(j0 + g, std::min(kStep, n - g), s + g);
+  };
+  int cur = 0;
+  if (s0 < s1) score_block(s0, std::min(kBlock, s1 - s0), sbuf[cur]);
+  for (int64_t j0 = s0; j0 < s1; j0 += kBlock) {
+    const int64_t n = std::min(kBlock, s1 - j0);
+    const int64_t nv = (n + Vec::size() - 1) / Vec::size() * Vec::size();
+    float* s = sbuf[cur];
     if (first != nullptr) {  // the window's lower bound: keys before a row's first are masked like those past it
       for (int64_t m = 0; m < M; ++m)
         if (first[m] > j0) std::fill(s + m * kBlock, s + m * kBlock + std::min(n, first[m] - j0), kNegInf);
@@ -159,16 +175,26 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
     // The value rows read from the cache itself, each widened once in registers for the whole group: the scratch
     // copy this replaced (stores, then loads) was a fifth of the kernel's time with a bfloat16 cache.
     const T* vj = v + j0 * vs;
-    const auto value = [&](int64_t j, int x) { return row16<T>(vj + j * vs + x * Vec::size()); };
+    const auto value_at = [&](int64_t g) {
+      return [=](int64_t j, int x) { return row16<T>(vj + (g + j) * vs + x * Vec::size()); };
+    };
 #else
     alignas(64) float vbuf[kBlock * d];  // without AVX-512 the value rows are widened into scratch
     const float* vb = float_rows<T>(v + j0 * vs, vs, n, d, vbuf);
-    const auto value = [&](int64_t j, int x) { return Vec::loadu(vb + j * d + x * Vec::size()); };
+    const auto value_at = [&](int64_t g) {
+      return [=](int64_t j, int x) { return Vec::loadu(vb + (g + j) * d + x * Vec::size()); };
+    };
 #endif
-    const NextRows next = next_rows(k, ks, v, vs, j0, s1, d * static_cast<int64_t>(sizeof(T)));
-    for (int64_t g = 0; g < na; g += R)  // the first group's pass fetches the next block
-      accumulate_rows<NX, R>(active + g, std::min<int64_t>(R, na - g), acc, alpha, s, n, value,
-                             g == 0 ? next : NextRows{});
+    const int64_t j1 = j0 + kBlock, nn = std::clamp<int64_t>(s1 - j1, 0, kBlock);  // the next block's keys
+    for (int64_t g = 0; g < std::max(n, nn); g += kStep) {
+      if (g < n) {  // this block's weights: alpha rescales the rows' sums once, at the first step
+        for (int64_t r = 0; r < na; r += R)
+          accumulate_rows<NX, R>(active + r, std::min<int64_t>(R, na - r), acc, g == 0 ? alpha : ones, s + g,
+                                 std::min(kStep, n - g), value_at(g), NextRows{});
+      }
+      if (g < nn) score(j1 + g, std::min(kStep, nn - g), sbuf[cur ^ 1] + g);
+    }
+    cur ^= 1;
   }
 }
 
