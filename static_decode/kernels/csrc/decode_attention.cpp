@@ -95,6 +95,15 @@ inline void scores(const float* q, int64_t M, const float* kb, int64_t n, int64_
   }
 }
 
+// A row's first 128 bytes toward L2 (prefetcht2 on x86): enough for the hardware prefetcher to take up the page
+// they start (profiles/RESULTS.md, "Decode attention's page heads"). Prefetching more of each row, or rows further
+// ahead, made the loop slower.
+template <typename T>
+inline void prefetch_head(const T* row) {
+  __builtin_prefetch(row, 0, 1);
+  __builtin_prefetch(reinterpret_cast<const char*>(row) + 64, 0, 1);
+}
+
 // One work item: keys [s0, s1) of KV head (b, h) for its M query rows; leaves the unnormalised output acc [M, d],
 // the running max mx [M] and sum l [M] (l == 0: no visible key in this split).
 // first: each row's oldest visible key (a sliding window), or nullptr (every key from 0).
@@ -137,6 +146,13 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
   const auto score_block = [&](int64_t j0, int64_t n, float* s) {
     for (int64_t g = 0; g < n; g += kStep) score(j0 + g, std::min(kStep, n - g), s + g);
   };
+  if (s1 - s0 <= 4 * kBlock) {  // a short item (a short context): its first block's rows toward L2 up front
+    for (int64_t j = s0; j < std::min(s1, s0 + kBlock); ++j)
+      for (int64_t x = 0; x < d * static_cast<int64_t>(sizeof(T)); x += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k + j * ks) + x, 0, 1);
+        __builtin_prefetch(reinterpret_cast<const char*>(v + j * vs) + x, 0, 1);
+      }
+  }
   int cur = 0;
   if (s0 < s1) score_block(s0, std::min(kBlock, s1 - s0), sbuf[cur]);
   for (int64_t j0 = s0; j0 < s1; j0 += kBlock) {
@@ -187,6 +203,10 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
 #endif
     const int64_t j1 = j0 + kBlock, nn = std::clamp<int64_t>(s1 - j1, 0, kBlock);  // the next block's keys
     for (int64_t g = 0; g < std::max(n, nn); g += kStep) {
+      // The first two lines of the next step's value and key rows, into L2: the hardware prefetcher stops at each
+      // 4 KB page (16 rows of a 128-wide bfloat16 head) and starts on the next one only after a miss or two there.
+      if (j0 + g + kStep < s1) prefetch_head(v + (j0 + g + kStep) * vs);
+      if (j1 + g + kStep < s1) prefetch_head(k + (j1 + g + kStep) * ks);
       if (g < n) {  // this block's weights: alpha rescales the rows' sums once, at the first step
         for (int64_t r = 0; r < na; r += R)
           accumulate_rows<NX, R>(active + r, std::min<int64_t>(R, na - r), acc, g == 0 ? alpha : ones, s + g,
