@@ -39,6 +39,7 @@
 
 namespace {
 
+using static_decode_kernels::KVRows;
 using static_decode_kernels::attention::kBlock;
 using static_decode_kernels::attention::accumulate_rows;
 using static_decode_kernels::attention::group_rows;
@@ -220,13 +221,13 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
 
 // Every work item's partial result: part [B*H, nsplit, M*(d+2)] holds acc [M, d], mx [M], l [M] per item.
 template <typename T, int NX>
-void attend(const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor& v, const int64_t* lens, const int64_t* n_new,
+void attend(const float* qp, bool bf16_q, const KVRows& kv, const int64_t* lens, const int64_t* n_new,
             int64_t window, int64_t B, int64_t H, int64_t M, int64_t slots, int64_t nsplit, int64_t split, float scale,
             float* part) {
   constexpr int64_t d = NX * Vec::size();
-  const int64_t S = k.size(2);
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
+  const int64_t S = kv.S;
+  const T* kp = static_cast<const T*>(kv.k);
+  const T* vp = static_cast<const T*>(kv.v);
   at::parallel_for(0, B * H * nsplit, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t c = item % nsplit, h = (item / nsplit) % H, b = item / nsplit / H;
@@ -242,8 +243,8 @@ void attend(const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor&
       // The row's keys start at its slot 0's window (0 without one): the items split [lo, visible).
       const int64_t lo = window > 0 ? window_start(lens[b] - n_new[b], window) : 0;
       float* acc = part + item * M * (d + 2);
-      split_item<T, NX>(qp + (b * H + h) * M * d, bf16_q, M, kp + b * k.stride(0) + h * k.stride(1), k.stride(2),
-                        vp + b * v.stride(0) + h * v.stride(1), v.stride(2), lo + c * split,
+      split_item<T, NX>(qp + (b * H + h) * M * d, bf16_q, M, kp + b * kv.kb + h * kv.kh, kv.ks,
+                        vp + b * kv.vb + h * kv.vh, kv.vs, lo + c * split,
                         std::min(visible, lo + (c + 1) * split), limit, window > 0 ? first : nullptr, scale, acc,
                         acc + M * d, acc + M * d + M);
     }
@@ -252,12 +253,12 @@ void attend(const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor&
 
 // attend<T, d / Vec::size()> for the head sizes with code (checks.h, kHeadDims): one instantiation each.
 template <typename T, int D>
-bool attend_if(int64_t d, const float* qp, bool bf16_q, const at::Tensor& k, const at::Tensor& v,
+bool attend_if(int64_t d, const float* qp, bool bf16_q, const KVRows& kv,
                const int64_t* lens, const int64_t* n_new, int64_t window, int64_t B, int64_t H, int64_t M,
                int64_t slots, int64_t nsplit, int64_t split, float scale, float* part) {
   if constexpr (D % Vec::size() == 0) {
     if (d == D) {
-      attend<T, D / Vec::size()>(qp, bf16_q, k, v, lens, n_new, window, B, H, M, slots, nsplit, split, scale, part);
+      attend<T, D / Vec::size()>(qp, bf16_q, kv, lens, n_new, window, B, H, M, slots, nsplit, split, scale, part);
       return true;
     }
   }
@@ -265,19 +266,19 @@ bool attend_if(int64_t d, const float* qp, bool bf16_q, const at::Tensor& k, con
 }
 
 template <typename T, int... Ds>
-bool dispatch_d(std::integer_sequence<int, Ds...>, const float* qp, bool bf16_q, const at::Tensor& k,
-                const at::Tensor& v, const int64_t* lens, const int64_t* n_new, int64_t window, int64_t B, int64_t H,
+bool dispatch_d(std::integer_sequence<int, Ds...>, const float* qp, bool bf16_q, const KVRows& kv,
+                const int64_t* lens, const int64_t* n_new, int64_t window, int64_t B, int64_t H,
                 int64_t M, int64_t slots, int64_t nsplit, int64_t split, float scale, float* part) {
-  return (attend_if<T, Ds>(k.size(3), qp, bf16_q, k, v, lens, n_new, window, B, H, M, slots, nsplit, split, scale,
+  return (attend_if<T, Ds>(kv.d, qp, bf16_q, kv, lens, n_new, window, B, H, M, slots, nsplit, split, scale,
                            part) ||
           ...);
 }
 using HeadDims = std::integer_sequence<int, 8, 16, 32, 48, 64, 80, 96, 128, 256>;  // checks.h's kHeadDims
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
-                            const at::Tensor& n_new, int64_t slots, double scale, int64_t window) {
-  static_decode_kernels::check_decode_attention(q, k, v, lens, n_new, slots, window);  // before anything is read
-  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), S = k.size(2), d = q.size(3);
+// The attention of q [B, H, M, d] over `kv` (checked by the caller) -> [B, H, M, d] in q's dtype.
+at::Tensor attend_rows(const at::Tensor& q, const KVRows& kv, const at::Tensor& lens, const at::Tensor& n_new,
+                       int64_t slots, double scale, int64_t window) {
+  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), S = kv.S, d = q.size(3);
   auto lc = lens.contiguous();
   auto nc = n_new.contiguous();
   const int64_t* lp = lc.data_ptr<int64_t>();
@@ -297,26 +298,33 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const bool bf16_q = qc.scalar_type() == at::kBFloat16;
   const float sc = static_cast<float>(scale);
   bool done = false;
-  switch (k.scalar_type()) {
+  switch (kv.dtype) {
     case at::kFloat:
-      done = dispatch_d<float>(HeadDims{}, qf, bf16_q, k, v, lp, np, window, B, H, M, slots, nsplit, split, sc,
-                               part);
+      done = dispatch_d<float>(HeadDims{}, qf, bf16_q, kv, lp, np, window, B, H, M, slots, nsplit, split, sc, part);
       break;
     case at::kBFloat16:
-      done = dispatch_d<at::BFloat16>(HeadDims{}, qf, bf16_q, k, v, lp, np, window, B, H, M, slots, nsplit, split,
-                                      sc, part);
+      done = dispatch_d<at::BFloat16>(HeadDims{}, qf, bf16_q, kv, lp, np, window, B, H, M, slots, nsplit, split, sc,
+                                      part);
       break;
     case at::kHalf:
-      done = dispatch_d<at::Half>(HeadDims{}, qf, bf16_q, k, v, lp, np, window, B, H, M, slots, nsplit, split, sc,
+      done = dispatch_d<at::Half>(HeadDims{}, qf, bf16_q, kv, lp, np, window, B, H, M, slots, nsplit, split, sc,
                                   part);
       break;
     default: break;
   }
-  TORCH_CHECK(done, "decode_attention: no code for K/V ", k.scalar_type(), " head_dim ", d);  // checked above
+  TORCH_CHECK(done, "decode_attention: no code for K/V ", kv.dtype, " head_dim ", d);  // checked before
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "decode_attention_out", [&] {
     combine<scalar_t>(part, B * H, M, d, nsplit, out.data_ptr<scalar_t>());
   });
   return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
+                            const at::Tensor& n_new, int64_t slots, double scale, int64_t window) {
+  static_decode_kernels::check_decode_attention(q, k, v, lens, n_new, slots, window);  // before anything is read
+  const KVRows kv{k.data_ptr(), v.data_ptr(), k.scalar_type(), k.size(2), k.size(3),
+                  k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)};
+  return attend_rows(q, kv, lens, n_new, slots, scale, window);
 }
 
 // Shapes only, for tracing (torch.compile's fake tensors).
@@ -332,6 +340,12 @@ at::Tensor static_decode_kernels::decode_attention(const at::Tensor& q, const at
                                                    const at::Tensor& lens, const at::Tensor& n_new, int64_t slots,
                                                    double scale, int64_t window) {
   return ::decode_attention(q, k, v, lens, n_new, slots, scale, window);
+}
+
+at::Tensor static_decode_kernels::decode_attention_rows(const at::Tensor& q, const KVRows& kv, const at::Tensor& lens,
+                                                        const at::Tensor& n_new, int64_t slots, double scale,
+                                                        int64_t window) {
+  return attend_rows(q, kv, lens, n_new, slots, scale, window);
 }
 
 TORCH_LIBRARY(static_decode_cpu, m) {

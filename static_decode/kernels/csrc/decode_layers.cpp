@@ -248,16 +248,22 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     rotate<S>(qkv.data(), Hq + Hkv, d, cs, sn);  // q's heads then k's: adjacent
     for (int64_t i = 0; i < Nq; ++i) qp[i] = static_cast<S>(qkv[i]);  // head h = kv * G + g: [1, Hkv, G, d]
     write_kv<S>(cache, l, pos, qkv.data() + Nq, qkv.data() + Nq + Nkv, Hkv, d);  // in place at pos (rule 1)
-    const auto kl = k.select(0, l).slice(2, 0, read_len);  // [1, Hkv, read_len, d] views
-    const auto vl = v.select(0, l).slice(2, 0, read_len);
     const int64_t window = windows.empty() ? 0 : windows[l];
-    const auto att =  // [1, Hkv, G, d]
-        cache.k_scale == nullptr
-            ? static_decode_kernels::decode_attention(q, kl, vl, lens_after, n_new, 1, scale, window)
-            : static_decode_kernels::decode_attention_int8(q, kl, vl,
-                                                           cache.k_scale->select(0, l).slice(2, 0, read_len),
-                                                           cache.v_scale->select(0, l).slice(2, 0, read_len),
-                                                           lens_after, n_new, 1, scale, window);
+    at::Tensor att;  // [1, Hkv, G, d]
+    if (cache.k_scale == nullptr) {  // layer l's rows [0, read_len) by pointer: two views a layer cost ~10 us here
+      const int64_t item = static_cast<int64_t>(k.element_size());
+      const static_decode_kernels::KVRows rows{
+          static_cast<const char*>(k.data_ptr()) + l * k.stride(0) * item,
+          static_cast<const char*>(v.data_ptr()) + l * v.stride(0) * item, k.scalar_type(), read_len, d,
+          k.stride(1), k.stride(2), k.stride(3), v.stride(1), v.stride(2), v.stride(3)};
+      att = static_decode_kernels::decode_attention_rows(q, rows, lens_after, n_new, 1, scale, window);
+    } else {
+      const auto kl = k.select(0, l).slice(2, 0, read_len);  // [1, Hkv, read_len, d] views
+      const auto vl = v.select(0, l).slice(2, 0, read_len);
+      att = static_decode_kernels::decode_attention_int8(q, kl, vl, cache.k_scale->select(0, l).slice(2, 0, read_len),
+                                                         cache.v_scale->select(0, l).slice(2, 0, read_len),
+                                                         lens_after, n_new, 1, scale, window);
+    }
     products<S>(att.data_ptr<S>(), Nq, {mat(kO, D, o.data())}, row);
     for (int64_t i = 0; i < D; ++i) xs[i] = rnd<S>(xs[i] + rnd<S>(o[i]));
     rms_norm<S>(xs.data(), ptr(kPostNorm), D, eps, h.data());

@@ -15,6 +15,20 @@ namespace static_decode_kernels {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
                             const at::Tensor& n_new, int64_t slots, double scale, int64_t window);
 
+// A float cache's rows as decode_attention reads them, without a tensor view: [B, H, S, d] from element pointers k
+// and v, strides in elements (rows of d contiguous). decode_layers.cpp makes one per layer from the layers' cache.
+struct KVRows {
+  const void* k;
+  const void* v;
+  at::ScalarType dtype;  // float32, bfloat16 or float16, both
+  int64_t S, d;
+  int64_t kb, kh, ks, vb, vh, vs;  // strides of b, h and the key row
+};
+
+// decode_attention over `kv`, checked by the caller as check_decode_attention checks k and v.
+at::Tensor decode_attention_rows(const at::Tensor& q, const KVRows& kv, const at::Tensor& lens, const at::Tensor& n_new,
+                                 int64_t slots, double scale, int64_t window);
+
 // decode_attention_int8.cpp: the same over an int8 cache, k/v [B, Hkv, S, d] int8 codes and k_scale/v_scale
 // [B, Hkv, S] float32 (value = code * scale; static_decode/core/kv_quant.py), read in place.
 at::Tensor decode_attention_int8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
