@@ -29,6 +29,7 @@
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -36,11 +37,28 @@
 #include <utility>
 #include <vector>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
 using namespace static_decode_kernels::layers;  // the tensors' order, Cache, check_layers
 constexpr int64_t kRows = 8;  // weight rows per inner step (gemv_bf16.cpp's)
+
+// Adds n to `count` when it goes out of scope (a part of the row done, or thrown out of).
+struct Arrive {
+  std::atomic<int64_t>& count;
+  int64_t n;
+  ~Arrive() { count.fetch_add(n, std::memory_order_release); }
+};
+
+inline void pause() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_pause();
+#endif
+}
 
 inline float hsum(const Vec& a) {
   alignas(64) float t[Vec::size()];
@@ -96,15 +114,9 @@ struct Product {
 template <typename S>
 void products(const S* x, int64_t K, std::initializer_list<Product> mats, static_decode_kernels::QuantRow& row) {
   const Product& head = *mats.begin();
-  if (head.q != nullptr) {  // a layer's products are all quantized or none
-    std::vector<float> xf(K);  // the row in float32
-    at::vec::convert(x, xf.data(), K);
-    static_decode_kernels::prepare_row(xf.data(), K, head.q->group, static_decode_kernels::int4_bf16_path(*head.q),
-                                       row, static_decode_kernels::int8_dot_path(*head.q));
-  }
   std::vector<int64_t> first{0};  // first row block of each matrix, then the total
   for (const Product& p : mats) first.push_back(first.back() + (p.n + kRows - 1) / kRows);
-  at::parallel_for(0, first.back(), 8, [&](int64_t b, int64_t e) {
+  const auto blocks = [&](int64_t b, int64_t e) {  // row blocks [b, e) of all the matrices
     int64_t i = 0;
     for (const Product& p : mats) {
       const int64_t lo = std::max(b, first[i]), hi = std::min(e, first[i + 1]);
@@ -124,7 +136,41 @@ void products(const S* x, int64_t K, std::initializer_list<Product> mats, static
 #endif
       }
     }
-  });
+  };
+  if (head.q == nullptr) {  // a layer's products are all quantized or none
+    at::parallel_for(0, first.back(), 8, blocks);
+    return;
+  }
+  const int64_t group = head.q->group;
+  const bool bf16 = static_decode_kernels::int4_bf16_path(*head.q), int8 = static_decode_kernels::int8_dot_path(*head.q);
+  std::vector<float> xf(K);  // the row in float32
+  static_decode_kernels::prepare_row_size(K, group, bf16, row, int8);
+  const int64_t parts = (K + static_decode_kernels::kRowPart - 1) / static_decode_kernels::kRowPart;
+  const int64_t T = std::min<int64_t>(at::get_num_threads(), parts);
+  const auto prepare = [&](int64_t k0, int64_t k1) {
+    at::vec::convert(x + k0, xf.data() + k0, k1 - k0);
+    static_decode_kernels::prepare_row_part(xf.data(), k0, k1, group, bf16, row, int8);
+  };
+#if AT_PARALLEL_OPENMP
+  // Each thread prepares a part of the row, waits until all parts are in, then runs its share of the row blocks:
+  // one parallel loop, where the row's preparation before it ran on one thread while the other waited. OpenMP's
+  // threads of one loop run at once, so the wait ends (elsewhere a loop's chunks may run one after another).
+  if (T > 1 && !at::in_parallel_region()) {
+    std::atomic<int64_t> ready{0};
+    at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
+      {
+        const Arrive arrive{ready, e - b};  // counted however the part ends: no thread waits on a part that threw
+        prepare(std::min(K, b * parts / T * static_decode_kernels::kRowPart),
+                std::min(K, e * parts / T * static_decode_kernels::kRowPart));
+      }
+      while (ready.load(std::memory_order_acquire) < T) pause();
+      blocks(b * first.back() / T, e * first.back() / T);
+    });
+    return;
+  }
+#endif
+  prepare(0, K);
+  at::parallel_for(0, first.back(), 8, blocks);
 }
 
 template <typename S>

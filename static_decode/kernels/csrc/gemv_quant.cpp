@@ -204,9 +204,9 @@ void int8_rows_vnni(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1
 
 // The row's int8 codes for int8_block_vnni: per block of kRowBlock8 values d = max|x| / 127 and codes x / d rounded
 // to nearest even (0 where d is 0); a block with a NaN or an infinity gets d NaN, so every sum it enters is NaN.
-void quantize_row8(const float* x, int64_t K, int64_t group, QuantRow& row) {
-  constexpr int64_t B = static_decode_kernels::kRowBlock8;
-  static_assert(B == 32, "two blocks a 64-code chunk, 16 values a vector");
+// quantize_row8_size sizes the buffers (zeroed) and points the row at them; quantize_row8_part fills the blocks of
+// values [k0, k1) (k0 a multiple of kRowPart, k1 too or K), so that threads can fill a row's parts side by side.
+void quantize_row8_size(int64_t K, int64_t group, QuantRow& row) {
   const int64_t chunks = (K + 63) / 64;
   row.q8.assign(64 * chunks, 0);
   row.d8.assign(16 * chunks, 0.f);
@@ -215,18 +215,37 @@ void quantize_row8(const float* x, int64_t K, int64_t group, QuantRow& row) {
   if (int4) {  // the upper lanes' scale over 16 (their codes come in 16 times their value), and per group the sum of
     row.d4.assign(16 * chunks, 0.f);  // d * (sum of codes) over its blocks, and at group 32 each block's d4
     row.grp8.assign(K / group, 0.f);
-    row.blk4.assign(group == B ? K / B : 0, 0.f);
+    row.blk4.assign(group == static_decode_kernels::kRowBlock8 ? K / group : 0, 0.f);
   }
+  row.a8 = row.q8.data();
+  row.a8d = row.d8.data();
+  row.a8fix = row.fix8.data();
+  if (int4) {
+    row.a4d = row.d4.data();
+    row.a8grp = row.grp8.data();
+    if (group == static_decode_kernels::kRowBlock8) row.a4blk = row.blk4.data();
+    if (group == static_decode_kernels::kRowBlock8 && quant_plan().int4_pair) {  // int4_pair_vnni's order
+      row.q4.assign(64 * chunks, 0);
+      row.a4pair = row.q4.data();
+    }
+  }
+}
+
+void quantize_row8_part(const float* x, int64_t k0, int64_t k1, int64_t group, QuantRow& row) {
+  constexpr int64_t B = static_decode_kernels::kRowBlock8;
+  static_assert(B == 32, "two blocks a 64-code chunk, 16 values a vector");
+  static_assert(static_decode_kernels::kRowPart % 128 == 0, "parts of whole chunks, pairs and groups");
+  const bool int4 = group > 0;
   // the buffers as locals: through the vectors, every store made the compiler reload their pointers
   int8_t* q8 = row.q8.data();
   float* d8 = row.d8.data();
   int32_t* fix8 = row.fix8.data();
   float *d4s = row.d4.data(), *grp8 = row.grp8.data(), *blk4 = row.blk4.data();
-  for (int64_t b = 0; b * B < K; ++b) {
-    const int64_t k0 = b * B, n = std::min(B, K - k0);
+  for (int64_t b = k0 / B; b * B < k1; ++b) {
+    const int64_t kb = b * B, n = std::min(B, k1 - kb);
     const __mmask16 m0 = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
     const __mmask16 m1 = static_cast<__mmask16>(n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0);
-    const __m512 v0 = _mm512_maskz_loadu_ps(m0, x + k0), v1 = _mm512_maskz_loadu_ps(m1, x + k0 + 16);
+    const __m512 v0 = _mm512_maskz_loadu_ps(m0, x + kb), v1 = _mm512_maskz_loadu_ps(m1, x + kb + 16);
     const bool finite = !(_mm512_fpclass_ps_mask(v0, 0x99) | _mm512_fpclass_ps_mask(v1, 0x99));  // NaN, +-inf
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     const float d = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
@@ -237,35 +256,26 @@ void quantize_row8(const float* x, int64_t K, int64_t group, QuantRow& row) {
       q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v0, dv), -lim), lim));
       q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v1, dv), -lim), lim));
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + k0), _mm512_cvtsepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + k0 + 16), _mm512_cvtsepi32_epi8(q1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + kb), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + kb + 16), _mm512_cvtsepi32_epi8(q1));
     const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    // block b fills lanes 8 (b % 2) .. of its chunk's 16: one masked store each (this runs serially before every
-    // product)
+    // block b fills lanes 8 (b % 2) .. of its chunk's 16: one masked store each (this runs before every product)
     const __mmask16 lanes = static_cast<__mmask16>(b % 2 ? 0xFF00 : 0x00FF);
     _mm512_mask_storeu_ps(d8 + 16 * (b / 2), lanes, _mm512_set1_ps(d));
     _mm512_mask_storeu_epi32(fix8 + 16 * (b / 2), lanes, _mm512_set1_epi32(-16 * sum));
     if (int4) {
       const float d4 = b % 2 ? d * 0.0625f : d;
       _mm512_mask_storeu_ps(d4s + 16 * (b / 2), lanes, _mm512_set1_ps(d4));
-      grp8[k0 / group] += d * static_cast<float>(sum);  // K is whole groups here (quant_mat checks it)
+      grp8[kb / group] += d * static_cast<float>(sum);  // K is whole groups here (quant_mat checks it)
       if (group == B) blk4[b] = d4;  // group 32: each group is one block; its d4 for int4_scales
     }
   }
-  row.a8 = row.q8.data();
-  row.a8d = row.d8.data();
-  row.a8fix = row.fix8.data();
-  if (int4) {
-    row.a4d = row.d4.data();
-    row.a8grp = row.grp8.data();
-    if (group == B) row.a4blk = row.blk4.data();
-    if (group == B && quant_plan().int4_pair) {  // int4_pair_vnni's order of the codes
-      row.q4.assign(row.q8.begin(), row.q8.end());
-      for (int64_t p = 0; p + 128 <= K; p += 128) {
-        std::memcpy(row.q4.data() + p + 32, row.q8.data() + p + 64, 32);
-        std::memcpy(row.q4.data() + p + 64, row.q8.data() + p + 32, 32);
-      }
-      row.a4pair = row.q4.data();
+  if (row.a4pair != nullptr) {  // int4_pair_vnni's order of the codes: each 128 values' middle halves swapped
+    const int64_t end = std::min<int64_t>(static_cast<int64_t>(row.q8.size()), (k1 + 63) / 64 * 64);
+    std::memcpy(row.q4.data() + k0, q8 + k0, end - k0);
+    for (int64_t p = k0; p + 128 <= k1; p += 128) {
+      std::memcpy(row.q4.data() + p + 32, q8 + p + 64, 32);
+      std::memcpy(row.q4.data() + p + 64, q8 + p + 32, 32);
     }
   }
 }
@@ -516,17 +526,41 @@ void int4_rows_bf16(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1
 // its values in groups of `group`; `bf16`: the row is rounded to bfloat16 first (the int4 bfloat16 path reads it so).
 void static_decode_kernels::prepare_row(const float* x, int64_t K, int64_t group, bool bf16, QuantRow& row,
                                         bool int8) {
+  prepare_row_size(K, group, bf16, row, int8);
+  prepare_row_part(x, 0, K, group, bf16, row, int8);
+}
+
+void static_decode_kernels::prepare_row_size(int64_t K, int64_t group, bool bf16, QuantRow& row, bool int8) {
+#if !defined(__AVX512VNNI__)
+  TORCH_CHECK(!int8, "prepare_row: int8 row codes need AVX512-VNNI");
+#endif
   row.K = K;
   row.f.resize(K);
   row.b.resize(K);
-  int64_t k = 0;
+  // The sums per group, for the products that take the row in float32 or bfloat16 (int4_rows_float, int4_block);
+  // those over the row's int8 codes (int8 set) use the codes' own sums (a8grp), so that pass is skipped there.
+  row.sums.assign(group > 0 && !int8 ? K / group : 0, 0.f);  // K is whole groups (quant_mat checks it)
+  row.xf = row.f.data();
+  row.xb = row.b.data();
+  row.xsum = row.sums.empty() ? nullptr : row.sums.data();
+  row.a8 = nullptr;
+  row.a4blk = nullptr;
+  row.a4pair = nullptr;
+#if defined(__AVX512VNNI__)
+  if (int8) quantize_row8_size(K, group, row);
+#endif
+}
+
+void static_decode_kernels::prepare_row_part(const float* x, int64_t k0, int64_t k1, int64_t group, bool bf16,
+                                             QuantRow& row, bool int8) {
+  int64_t k = k0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   // 16 values a step, each rounded as c10::BFloat16 rounds it (to nearest even on the bits, NaN to 0x7FC0): this
-  // runs on one thread before every product, and a value at a time it cost an int4 product more than its 8 rows.
+  // runs before every product, and a value at a time it cost an int4 product more than its 8 rows.
   const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), qnan = _mm512_set1_epi32(0x7FC0);
   uint16_t* rb = row.b.data();  // locals: through the vectors, each store reloaded their pointers
   float* rf = row.f.data();
-  for (; k + 16 <= K; k += 16) {
+  for (; k + 16 <= k1; k += 16) {
     const __m512 v = _mm512_loadu_ps(x + k);
     const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
@@ -536,30 +570,18 @@ void static_decode_kernels::prepare_row(const float* x, int64_t K, int64_t group
     _mm512_storeu_ps(rf + k, bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)) : v);
   }
 #endif
-  for (; k < K; ++k) {
+  for (; k < k1; ++k) {
     const c10::BFloat16 r(x[k]);
     row.b[k] = r.x;
     row.f[k] = bf16 ? static_cast<float>(r) : x[k];  // the bfloat16 path's sums are of the values it multiplies
   }
-  // The sums per group, for the products that take the row in float32 or bfloat16 (int4_rows_float, int4_block);
-  // those over the row's int8 codes (int8 set) use the codes' own sums (a8grp), so this serial pass is skipped there.
-  const int64_t sums = group > 0 && !int8 ? K / group : 0;  // K is whole groups (quant_mat checks it)
-  row.sums.assign(sums, 0.f);
-  for (int64_t g = 0; g < sums; ++g) {
+  for (int64_t g = k0 / std::max<int64_t>(group, 1); !row.sums.empty() && g * group < k1; ++g) {
     float sum = 0.f;
     for (int64_t j = g * group; j < (g + 1) * group; ++j) sum += row.f[j];
     row.sums[g] = sum;
   }
-  row.xf = row.f.data();
-  row.xb = row.b.data();
-  row.xsum = row.sums.empty() ? nullptr : row.sums.data();
-  row.a8 = nullptr;
-  row.a4blk = nullptr;
-  row.a4pair = nullptr;
 #if defined(__AVX512VNNI__)
-  if (int8) quantize_row8(row.xf, K, group, row);
-#else
-  TORCH_CHECK(!int8, "prepare_row: int8 row codes need AVX512-VNNI");
+  if (int8) quantize_row8_part(row.xf, k0, k1, group, row);
 #endif
 }
 
