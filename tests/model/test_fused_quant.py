@@ -67,6 +67,7 @@ def test_both_cpus_row_plans_match_float64() -> None:
     other = {"amd": "intel", "intel": "amd"}[here]
     root = Path(__file__).resolve().parents[2]
     tests = [f"{__file__}::test_gemv_q_matches_float64_by_the_dequantized_weight",
+             f"{__file__}::test_fused_quantized_layers_on_two_threads_equal_one",
              f"{root}/tests/kernels/test_cpu_kernel.py::test_gemv_matches_float64_on_bfloat16_values",
              f"{root}/tests/kernels/test_cpu_kernel.py::test_cat3_is_the_three_products_concatenated",
              f"{root}/tests/kernels/test_cpu_kernel.py::test_glu_is_silu_of_the_rounded_gate_times_the_rounded_up"]
@@ -203,6 +204,27 @@ def test_fused_quantized_layers_match_the_eager_ones(scheme, dtype, cached, n_ne
             assert (a.float() - b.float()).abs().mean() <= 0.01 * b.float().abs().mean()
         else:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_fused_quantized_layers_on_two_threads_equal_one(scheme, dtype):
+    """On two threads each prepares a part of the row (192 and 384 values: parts of 128 and a shorter last one)
+    before the products: the same layers, the same cache, bit for bit, as one thread preparing it all."""
+    cfg = QCFG if scheme != "int4-g128" else dataclasses.replace(QCFG, hidden_size=256, num_heads=8, head_dim=32)
+    model = quant.quantize_model(random_model(dtype, cfg=cfg), scheme)
+    one_cache, two_cache = cache_pair(model, 37)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = decode_layers(model, one_cache, 17, 1, 48, fused=True)
+        torch.set_num_threads(2)
+        two = decode_layers(model, two_cache, 17, 1, 48, fused=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert one.abs().max() > 1.0
+    assert torch.equal(one, two)
+    assert torch.equal(one_cache.k, two_cache.k) and torch.equal(one_cache.v, two_cache.v)
 
 
 def test_fused_quantized_layers_refuse_bad_calls_before_writing():
