@@ -142,7 +142,8 @@ void products(const S* x, int64_t K, std::initializer_list<Product> mats, static
     return;
   }
   const int64_t group = head.q->group;
-  const bool bf16 = static_decode_kernels::int4_bf16_path(*head.q), int8 = static_decode_kernels::int8_dot_path(*head.q);
+  const bool bf16 = static_decode_kernels::int4_bf16_path(*head.q);
+  const bool int8 = static_decode_kernels::int8_dot_path(*head.q);
   std::vector<float> xf(K);  // the row in float32
   static_decode_kernels::prepare_row_size(K, group, bf16, row, int8);
   const int64_t parts = (K + static_decode_kernels::kRowPart - 1) / static_decode_kernels::kRowPart;
@@ -296,7 +297,7 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     write_kv<S>(cache, l, pos, qkv.data() + Nq, qkv.data() + Nq + Nkv, Hkv, d);  // in place at pos (rule 1)
     const int64_t window = windows.empty() ? 0 : windows[l];
     at::Tensor att;  // [1, Hkv, G, d]
-    if (cache.k_scale == nullptr) {  // layer l's rows [0, read_len) by pointer: two views a layer cost ~10 us here
+    if (cache.k_scale == nullptr) {  // layer l's rows [0, read_len) by pointer: no views made on the host
       const int64_t item = static_cast<int64_t>(k.element_size());
       const static_decode_kernels::KVRows rows{
           static_cast<const char*>(k.data_ptr()) + l * k.stride(0) * item,
