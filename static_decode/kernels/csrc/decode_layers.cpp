@@ -145,9 +145,7 @@ void products(const S* x, int64_t K, std::initializer_list<Product> mats, static
   const bool bf16 = static_decode_kernels::int4_bf16_path(*head.q);
   const bool int8 = static_decode_kernels::int8_dot_path(*head.q);
   std::vector<float> xf(K);  // the row in float32
-  static_decode_kernels::prepare_row_size(K, group, bf16, row, int8);
-  const int64_t parts = (K + static_decode_kernels::kRowPart - 1) / static_decode_kernels::kRowPart;
-  const int64_t T = std::min<int64_t>(at::get_num_threads(), parts);
+  static_decode_kernels::prepare_row_size(K, group, row, int8);
   const auto prepare = [&](int64_t k0, int64_t k1) {
     at::vec::convert(x + k0, xf.data() + k0, k1 - k0);
     static_decode_kernels::prepare_row_part(xf.data(), k0, k1, group, bf16, row, int8);
@@ -156,6 +154,8 @@ void products(const S* x, int64_t K, std::initializer_list<Product> mats, static
   // Each thread prepares a part of the row, waits until all parts are in, then runs its share of the row blocks:
   // one parallel loop, where the row's preparation before it ran on one thread while the other waited. OpenMP's
   // threads of one loop run at once, so the wait ends (elsewhere a loop's chunks may run one after another).
+  const int64_t parts = (K + static_decode_kernels::kRowPart - 1) / static_decode_kernels::kRowPart;
+  const int64_t T = std::min<int64_t>(at::get_num_threads(), parts);
   if (T > 1 && !at::in_parallel_region()) {
     std::atomic<int64_t> ready{0};
     at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {

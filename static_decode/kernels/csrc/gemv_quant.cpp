@@ -526,11 +526,11 @@ void int4_rows_bf16(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1
 // its values in groups of `group`; `bf16`: the row is rounded to bfloat16 first (the int4 bfloat16 path reads it so).
 void static_decode_kernels::prepare_row(const float* x, int64_t K, int64_t group, bool bf16, QuantRow& row,
                                         bool int8) {
-  prepare_row_size(K, group, bf16, row, int8);
+  prepare_row_size(K, group, row, int8);
   prepare_row_part(x, 0, K, group, bf16, row, int8);
 }
 
-void static_decode_kernels::prepare_row_size(int64_t K, int64_t group, bool bf16, QuantRow& row, bool int8) {
+void static_decode_kernels::prepare_row_size(int64_t K, int64_t group, QuantRow& row, bool int8) {
 #if !defined(__AVX512VNNI__)
   TORCH_CHECK(!int8, "prepare_row: int8 row codes need AVX512-VNNI");
 #endif
@@ -575,10 +575,12 @@ void static_decode_kernels::prepare_row_part(const float* x, int64_t k0, int64_t
     row.b[k] = r.x;
     row.f[k] = bf16 ? static_cast<float>(r) : x[k];  // the bfloat16 path's sums are of the values it multiplies
   }
-  for (int64_t g = k0 / std::max<int64_t>(group, 1); !row.sums.empty() && g * group < k1; ++g) {
-    float sum = 0.f;
-    for (int64_t j = g * group; j < (g + 1) * group; ++j) sum += row.f[j];
-    row.sums[g] = sum;
+  if (!row.sums.empty()) {  // the groups of this part (row.sums is sized only where group > 0)
+    for (int64_t g = k0 / group; g * group < k1; ++g) {
+      float sum = 0.f;
+      for (int64_t j = g * group; j < (g + 1) * group; ++j) sum += row.f[j];
+      row.sums[g] = sum;
+    }
   }
 #if defined(__AVX512VNNI__)
   if (int8) quantize_row8_part(row.xf, k0, k1, group, row);

@@ -81,7 +81,7 @@ void prepare_row(const float* x, int64_t K, int64_t group, bool bf16, QuantRow& 
 // then prepare_row_part over ranges [k0, k1) covering [0, K), each starting at a multiple of kRowPart (and ending at
 // one, or at K), from any thread; nothing is read across parts. x: the row's float32 values (x[k0..k1) read).
 constexpr int64_t kRowPart = 128;
-void prepare_row_size(int64_t K, int64_t group, bool bf16, QuantRow& row, bool int8 = false);
+void prepare_row_size(int64_t K, int64_t group, QuantRow& row, bool int8 = false);
 void prepare_row_part(const float* x, int64_t k0, int64_t k1, int64_t group, bool bf16, QuantRow& row,
                       bool int8 = false);
 bool int4_bf16_path(const QuantMat& m);  // whether m's products round the row to bfloat16 (prepare_row's bf16)
