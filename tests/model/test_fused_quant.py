@@ -37,11 +37,13 @@ def _dtypes() -> list[torch.dtype]:
 
 @pytest.mark.parametrize("dtype", _dtypes())
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize(("N", "K"), [(80, 384), (13, 1536), (1, 128), (7, 128), (5, 576), (3, 192), (5, 8192)])
+@pytest.mark.parametrize(("N", "K"), [(80, 384), (13, 1536), (1, 128), (7, 128), (5, 576), (3, 192), (5, 8192),
+                                        (3, 8256), (4, 8320)])
 def test_gemv_q_matches_float64_by_the_dequantized_weight(scheme, dtype, N, K):
     """Every format and group, row counts that leave a partial block of rows (of 2, 3, 4 or 8 rows), K with an
-    int8 tail past whole vectors, K an odd number of 64-column chunks (int4 group 32 takes two a step) and rows long
-    enough (K 8192) for the int4 loop's per-row prefetch."""
+    int8 tail past whole vectors, K an odd number of 64-column chunks (int4 group 32 takes two a step), rows long
+    enough (K 8192) for the int4 loop to read each row's two halves side by side, and long rows whose halves it
+    cannot split (8256: an odd number of chunks; 8320 at group 128: halves of 4,160 columns)."""
     s = quant.parse(scheme)
     if s.bits == 4 and quant.int4_refusal(K, s.group):
         pytest.skip(f"{scheme} does not take K {K}")

@@ -275,27 +275,17 @@ bool dispatch_d(std::integer_sequence<int, Ds...>, const float* qp, bool bf16_q,
 }
 using HeadDims = std::integer_sequence<int, 8, 16, 32, 48, 64, 80, 96, 128, 256>;  // checks.h's kHeadDims
 
-// The attention of q [B, H, M, d] over `kv` (checked by the caller) -> [B, H, M, d] in q's dtype.
-at::Tensor attend_rows(const at::Tensor& q, const KVRows& kv, const at::Tensor& lens, const at::Tensor& n_new,
-                       int64_t slots, double scale, int64_t window) {
-  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), S = kv.S, d = q.size(3);
-  auto lc = lens.contiguous();
-  auto nc = n_new.contiguous();
-  const int64_t* lp = lc.data_ptr<int64_t>();
-  const int64_t* np = nc.data_ptr<int64_t>();
+// The attention of float32 queries qf [B, H, M, d] over `kv` (checked by the caller) into out [B, H, M, d] (O):
+// the items' partial results in `scratch`, grown to fit and reused by the next call. bf16_q: the queries are
+// bfloat16 values (scored by AVX512-BF16 dot products over a bfloat16 cache: exact products).
+template <typename O>
+void attend_into(const float* qf, bool bf16_q, const KVRows& kv, const int64_t* lp, const int64_t* np, int64_t B,
+                 int64_t H, int64_t M, int64_t slots, double scale, int64_t window, std::vector<float>& scratch, O* out) {
+  const int64_t S = kv.S, d = kv.d;
   const auto [nsplit, split] = plan_splits(lp, np, window, B, H, slots, S, at::get_num_threads());
-  auto qc = q.contiguous();
-  auto out = at::empty(qc.sizes(), qc.options());
-  // The queries in float32 (the kernel's math) and the items' partial results in one host buffer.
-  std::vector<float> buf(qc.numel() + B * H * nsplit * M * (d + 2));
-  float* qf = buf.data();
-  float* part = qf + qc.numel();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "decode_attention_q", [&] {
-    const scalar_t* src = qc.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < qc.numel(); ++i) qf[i] = static_cast<float>(src[i]);
-  });
-  // bfloat16 queries over a bfloat16 cache: the scores by AVX512-BF16 dot products (exact products).
-  const bool bf16_q = qc.scalar_type() == at::kBFloat16;
+  const auto need = static_cast<size_t>(B * H * nsplit * M * (d + 2));
+  if (scratch.size() < need) scratch.resize(need);
+  float* part = scratch.data();
   const float sc = static_cast<float>(scale);
   bool done = false;
   switch (kv.dtype) {
@@ -313,8 +303,24 @@ at::Tensor attend_rows(const at::Tensor& q, const KVRows& kv, const at::Tensor& 
     default: break;
   }
   TORCH_CHECK(done, "decode_attention: no code for K/V ", kv.dtype, " head_dim ", d);  // checked before
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "decode_attention_out", [&] {
-    combine<scalar_t>(part, B * H, M, d, nsplit, out.data_ptr<scalar_t>());
+  combine<O>(part, B * H, M, d, nsplit, out);
+}
+
+// The attention of q [B, H, M, d] over `kv` (checked by the caller) -> [B, H, M, d] in q's dtype.
+at::Tensor attend_rows(const at::Tensor& q, const KVRows& kv, const at::Tensor& lens, const at::Tensor& n_new,
+                       int64_t slots, double scale, int64_t window) {
+  const int64_t B = q.size(0), H = q.size(1), M = q.size(2);
+  auto lc = lens.contiguous();
+  auto nc = n_new.contiguous();
+  auto qc = q.contiguous();
+  auto out = at::empty(qc.sizes(), qc.options());
+  std::vector<float> qf(qc.numel());  // the queries in float32 (the kernel's math)
+  std::vector<float> scratch;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "decode_attention_q", [&] {
+    const scalar_t* src = qc.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < qc.numel(); ++i) qf[i] = static_cast<float>(src[i]);
+    attend_into<scalar_t>(qf.data(), qc.scalar_type() == at::kBFloat16, kv, lc.data_ptr<int64_t>(),
+                          nc.data_ptr<int64_t>(), B, H, M, slots, scale, window, scratch, out.data_ptr<scalar_t>());
   });
   return out;
 }
@@ -342,11 +348,18 @@ at::Tensor static_decode_kernels::decode_attention(const at::Tensor& q, const at
   return ::decode_attention(q, k, v, lens, n_new, slots, scale, window);
 }
 
-at::Tensor static_decode_kernels::decode_attention_rows(const at::Tensor& q, const KVRows& kv, const at::Tensor& lens,
-                                                        const at::Tensor& n_new, int64_t slots, double scale,
-                                                        int64_t window) {
-  return attend_rows(q, kv, lens, n_new, slots, scale, window);
+template <typename O>
+void static_decode_kernels::decode_attention_into(const float* q, bool bf16_q, const KVRows& kv, const int64_t* lens,
+                                                  const int64_t* n_new, int64_t B, int64_t H, int64_t M, int64_t slots,
+                                                  double scale, int64_t window, std::vector<float>& scratch, O* out) {
+  attend_into<O>(q, bf16_q, kv, lens, n_new, B, H, M, slots, scale, window, scratch, out);
 }
+template void static_decode_kernels::decode_attention_into<float>(const float*, bool, const KVRows&, const int64_t*,
+                                                                  const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                                                                  double, int64_t, std::vector<float>&, float*);
+template void static_decode_kernels::decode_attention_into<at::BFloat16>(
+    const float*, bool, const KVRows&, const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, double,
+    int64_t, std::vector<float>&, at::BFloat16*);
 
 TORCH_LIBRARY(static_decode_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, Tensor n_new, int slots, float scale, "

@@ -275,8 +275,8 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const S* xin = x.data_ptr<S>();
   for (int64_t i = 0; i < D; ++i) xs[i] = static_cast<float>(xin[i]);
   static_decode_kernels::QuantRow row;  // the row the quantized products read, reused by every product
-  auto q = at::empty({1, Hkv, G, d}, x.options());  // the queries in the model's dtype, as the unfused layer has them
-  S* qp = q.data_ptr<S>();
+  std::vector<S> att(Nq);  // the attention's output [1, Hkv, G, d], o_proj's row
+  std::vector<float> scratch;  // the attention's partial results, reused by every layer
 
   for (int64_t l = 0; l < L; ++l) {
     // One profiler range per layer (torch.profiler, and Nsight/VTune through its ITT/NVTX observers): the op is
@@ -293,25 +293,29 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
                               mat(kV, Nkv, qkv.data() + Nq + Nkv)}, row);
     for (float& f : qkv) f = rnd<S>(f);
     rotate<S>(qkv.data(), Hq + Hkv, d, cs, sn);  // q's heads then k's: adjacent
-    for (int64_t i = 0; i < Nq; ++i) qp[i] = static_cast<S>(qkv[i]);  // head h = kv * G + g: [1, Hkv, G, d]
     write_kv<S>(cache, l, pos, qkv.data() + Nq, qkv.data() + Nq + Nkv, Hkv, d);  // in place at pos (rule 1)
     const int64_t window = windows.empty() ? 0 : windows[l];
-    at::Tensor att;  // [1, Hkv, G, d]
-    if (cache.k_scale == nullptr) {  // layer l's rows [0, read_len) by pointer: no views made on the host
+    if (cache.k_scale == nullptr) {  // layer l's rows [0, read_len) by pointer, the queries straight from qkv
       const int64_t item = static_cast<int64_t>(k.element_size());
       const static_decode_kernels::KVRows rows{
           static_cast<const char*>(k.data_ptr()) + l * k.stride(0) * item,
           static_cast<const char*>(v.data_ptr()) + l * v.stride(0) * item, k.scalar_type(), read_len, d,
           k.stride(1), k.stride(2), k.stride(3), v.stride(1), v.stride(2), v.stride(3)};
-      att = static_decode_kernels::decode_attention_rows(q, rows, lens_after, n_new, 1, scale, window);
+      static_decode_kernels::decode_attention_into<S>(qkv.data(), std::is_same_v<S, at::BFloat16>, rows,
+                                                      lens_after.data_ptr<int64_t>(), n_new.data_ptr<int64_t>(), 1,
+                                                      Hkv, G, 1, scale, window, scratch, att.data());
     } else {
+      auto q = at::empty({1, Hkv, G, d}, x.options());  // the queries in the model's dtype: head h = kv * G + g
+      S* qp = q.data_ptr<S>();
+      for (int64_t i = 0; i < Nq; ++i) qp[i] = static_cast<S>(qkv[i]);
       const auto kl = k.select(0, l).slice(2, 0, read_len);  // [1, Hkv, read_len, d] views
       const auto vl = v.select(0, l).slice(2, 0, read_len);
-      att = static_decode_kernels::decode_attention_int8(q, kl, vl, cache.k_scale->select(0, l).slice(2, 0, read_len),
-                                                         cache.v_scale->select(0, l).slice(2, 0, read_len),
-                                                         lens_after, n_new, 1, scale, window);
+      const at::Tensor out = static_decode_kernels::decode_attention_int8(
+          q, kl, vl, cache.k_scale->select(0, l).slice(2, 0, read_len),
+          cache.v_scale->select(0, l).slice(2, 0, read_len), lens_after, n_new, 1, scale, window);
+      std::copy(out.data_ptr<S>(), out.data_ptr<S>() + Nq, att.data());
     }
-    products<S>(att.data_ptr<S>(), Nq, {mat(kO, D, o.data())}, row);
+    products<S>(att.data(), Nq, {mat(kO, D, o.data())}, row);
     for (int64_t i = 0; i < D; ++i) xs[i] = rnd<S>(xs[i] + rnd<S>(o[i]));
     rms_norm<S>(xs.data(), ptr(kPostNorm), D, eps, h.data());
     products<S>(h.data(), D, {mat(kGate, inner, gu.data()), mat(kUp, inner, gu.data() + inner)}, row);

@@ -70,7 +70,7 @@ constexpr int64_t kAhead = 8192;
 //   ms. On the Xeon that loop made the same steps slower (70 -> 90 ms, 2 threads), so it keeps one chunk a step
 //   (int4_block_vnni), 2 rows, 4 KB ahead. int4_block_vnni also takes groups 64 and 128: 2 rows on the Xeon, 3 rows
 //   8 KB ahead on the Zen 5, where 2 rows ran short of independent work.
-constexpr int64_t kRowStream = 4096;  // int4 rows of this many packed bytes or more: 2 at a time, prefetched per row
+constexpr int64_t kRowStream = 4096;  // int4 rows of this many packed bytes or more: each one's two halves side by side
 struct QuantPlan {
   int64_t int8_linear;  // 2 rows with a linear run this many bytes ahead of the block; 0: 4 rows, each per row
   int int4_rows;        // int4_block_vnni's
@@ -394,12 +394,31 @@ void int4_block(const QuantMat& m, const QuantRow& x, int64_t n, float* sbuf, fl
 }
 
 #if defined(__AVX512VNNI__)
+// One 32-byte chunk c of a row's codes (q) times the row's int8 codes a: the scheme below (int4_block_vnni), into
+// acc (and, groups over 32, dacc until the group ends). s: the row's scales (times d at group 32).
+template <int kGroup>
+inline void int4_chunk(const uint8_t* q, __m512i a, __m512 dv, const float* s, int64_t c, __m512i nib, __m512& acc,
+                       __m512& dacc) {
+  const __m512i w = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))), nib);
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a));
+  if constexpr (kGroup == 32) {  // s holds s * d: the block's d came in with the scales
+    const __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[2 * c]), _mm512_set1_ps(s[2 * c + 1]));
+    acc = _mm512_fmadd_ps(v, sv, acc);
+  } else {
+    dacc = _mm512_fmadd_ps(v, dv, dacc);
+    if ((64 * (c + 1)) % kGroup == 0) {  // the group ends with this chunk
+      acc = _mm512_fmadd_ps(dacc, _mm512_set1_ps(s[64 * (c + 1) / kGroup - 1]), acc);
+      dacc = _mm512_setzero_ps();
+    }
+  }
+}
+
 // int4 rows [n, n + R) times the row's int8 codes (int8_dot_path): a chunk's 32 bytes broadcast to both halves of
 // a vector and masked, the low nibbles (columns 64c..64c+31) in the lower half and the high ones, 16 times their
 // value, in the upper; one vpdpbusd then gives each block's sum q * a in 8 lanes (the upper ones 16 times it, which
 // their scale a4d takes back), scaled by the block's d and the group's s. The offset term (z - 8 s) times the row's
 // sum per group (a8grp: sum over its blocks of d * sum of codes) comes from int4_scales.
-template <int kGroup, int R, bool kPerRow = false>
+template <int kGroup, int R>
 void int4_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbuf, float* y, int64_t ahead_bytes) {
   const int64_t K = x.K, G = K / kGroup, half = K / 2, C = K / 64;
   const auto* Q = static_cast<const uint8_t*>(m.q);
@@ -409,40 +428,44 @@ void int4_block_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbu
   from_scales<R>(acc, [&](__m512* off) {  // group 32: s * d
     int4_scales<R>(m, n, G, x.a8grp, -8.f, sbuf, off, kGroup == 32 ? x.a4blk : nullptr);
   });
-  // kPerRow (rows of kRowStream bytes or more: the 3B shape's down projection, K 8192): each row's bytes in the next
-  // block at the column being read, one line every other chunk (the linear run read them at 0.82-0.84 of the bfloat16
-  // GEMV's rate, this 0.89-0.92; on shorter rows it was the other way round: 0.83-0.87 against 0.91-0.95). A template
-  // argument: a branch in the loop cost the short rows ~5% on one thread.
   const char* ahead = reinterpret_cast<const char*>(Q + n * half) + ahead_bytes;
-  const char* next = reinterpret_cast<const char*>(Q + (n + R) * half);
   for (int64_t c = 0; c < C; ++c) {
-    if constexpr (kPerRow) {
-      if (c % 2 == 0)
-        for (int r = 0; r < R; ++r) _mm_prefetch(next + r * half + 32 * c, _MM_HINT_T0);
-    } else {
-      _mm_prefetch(ahead + c * 32 * R, _MM_HINT_T0);  // the bytes this step consumes, ahead_bytes further on
-      if (R > 2) _mm_prefetch(ahead + c * 32 * R + 64, _MM_HINT_T0);
-    }
+    _mm_prefetch(ahead + c * 32 * R, _MM_HINT_T0);  // the bytes this step consumes, ahead_bytes further on
+    if (R > 2) _mm_prefetch(ahead + c * 32 * R + 64, _MM_HINT_T0);
     const __m512i a = _mm512_loadu_si512(x.a8 + 64 * c);
     const __m512 dv = kGroup == 32 ? _mm512_setzero_ps() : _mm512_loadu_ps(x.a4d + 16 * c);  // group 32: in sbuf
-    for (int r = 0; r < R; ++r) {
-      const __m512i w = _mm512_and_si512(_mm512_broadcast_i64x4(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Q + (n + r) * half + 32 * c))), nib);
-      const __m512 v = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a));
-      const float* s = sbuf + r * G;
-      if constexpr (kGroup == 32) {  // s holds s * d: the block's d came in with the scales
-        const __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[2 * c]), _mm512_set1_ps(s[2 * c + 1]));
-        acc[r] = _mm512_fmadd_ps(v, sv, acc[r]);
-      } else {
-        dacc[r] = _mm512_fmadd_ps(v, dv, dacc[r]);
-        if ((64 * (c + 1)) % kGroup == 0) {  // the group ends with this chunk
-          acc[r] = _mm512_fmadd_ps(dacc[r], _mm512_set1_ps(s[64 * (c + 1) / kGroup - 1]), acc[r]);
-          dacc[r] = _mm512_setzero_ps();
-        }
-      }
-    }
+    for (int r = 0; r < R; ++r)
+      int4_chunk<kGroup>(Q + (n + r) * half + 32 * c, a, dv, sbuf + r * G, c, nib, acc[r], dacc[r]);
   }
   for (int r = 0; r < R; ++r) y[n + r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// One long row (kRowStream packed bytes or more: the 3B shape's down projection, K 8192) as two streams side by
+// side, its first and second halves, with one linear run ahead_bytes ahead (the next row). Two rows side by side were
+// two streams a row apart, each crossing a 4 KB page every row: prefetched per row they read at 0.93-0.96 of the
+// bfloat16 GEMV's rate in a standalone copy of the loop, the halves 1.02-1.03 (profiles/RESULTS.md). The halves'
+// sums add at the end: a row's sum is that of its two halves.
+template <int kGroup>
+void int4_row_halves_vnni(const QuantMat& m, const QuantRow& x, int64_t n, float* sbuf, float* y,
+                          int64_t ahead_bytes) {
+  const int64_t K = x.K, G = K / kGroup, half = K / 2, C = K / 64, H = C / 2;
+  const auto* Q = static_cast<const uint8_t*>(m.q) + n * half;
+  const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8(static_cast<char>(0xF0)), 1);
+  __m512 acc[2], dacc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  from_scales<1>(acc, [&](__m512* off) {  // the whole row's offset term, in the first half's sum
+    int4_scales<1>(m, n, G, x.a8grp, -8.f, sbuf, off, kGroup == 32 ? x.a4blk : nullptr);
+  });
+  acc[1] = _mm512_setzero_ps();
+  const char* ahead = reinterpret_cast<const char*>(Q) + ahead_bytes;
+  for (int64_t c = 0; c < H; ++c) {
+    _mm_prefetch(ahead + c * 64, _MM_HINT_T0);  // the 64 bytes this step consumes, ahead_bytes further on
+    for (int r = 0; r < 2; ++r) {
+      const int64_t cc = c + r * H;  // this half's chunk
+      const __m512 dv = kGroup == 32 ? _mm512_setzero_ps() : _mm512_loadu_ps(x.a4d + 16 * cc);
+      int4_chunk<kGroup>(Q + 32 * cc, _mm512_loadu_si512(x.a8 + 64 * cc), dv, sbuf, cc, nib, acc[r], dacc[r]);
+    }
+  }
+  y[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
 }
 
 // Group 32, two chunks a step: a row's 64 packed bytes (one cache line) give its low nibbles (columns 128p + [0, 32)
@@ -507,8 +530,8 @@ void int4_rows_bf16(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1
     } else {
       if (plan.int4_rows == 3)
         for (; n + 3 <= n1; n += 3) int4_block_vnni<kGroup, 3>(m, x, n, sbuf.data(), y, plan.int4_ahead);
-      if (x.K / 2 >= kRowStream)
-        for (; n + 2 <= n1; n += 2) int4_block_vnni<kGroup, 2, true>(m, x, n, sbuf.data(), y, plan.int4_ahead);
+      if (x.K / 2 >= kRowStream && (x.K / 2) % kGroup == 0 && (x.K / 64) % 2 == 0)
+        for (; n < n1; ++n) int4_row_halves_vnni<kGroup>(m, x, n, sbuf.data(), y, plan.int4_ahead);
       for (; n + 2 <= n1; n += 2) int4_block_vnni<kGroup, 2>(m, x, n, sbuf.data(), y, plan.int4_ahead);
     }
     for (; n < n1; ++n) int4_block_vnni<kGroup, 1>(m, x, n, sbuf.data(), y, plan.int4_ahead);

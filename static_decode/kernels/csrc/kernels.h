@@ -25,9 +25,14 @@ struct KVRows {
   int64_t kb, kh, ks, vb, vh, vs;  // strides of b, h and the key row
 };
 
-// decode_attention over `kv`, checked by the caller as check_decode_attention checks k and v.
-at::Tensor decode_attention_rows(const at::Tensor& q, const KVRows& kv, const at::Tensor& lens, const at::Tensor& n_new,
-                                 int64_t slots, double scale, int64_t window);
+// decode_attention over `kv` (checked by the caller as check_decode_attention checks k and v) without a tensor on
+// either side: float32 queries q [B, H, M, kv.d] (values of the model's dtype; bf16_q: bfloat16 ones), lens /
+// n_new [B], the output [B, H, M, kv.d] written at `out` (O: float or at::BFloat16), and the work items' partial
+// results in `scratch`, grown as needed and reused across calls: a decode layer's attention allocates nothing.
+template <typename O>
+void decode_attention_into(const float* q, bool bf16_q, const KVRows& kv, const int64_t* lens, const int64_t* n_new,
+                           int64_t B, int64_t H, int64_t M, int64_t slots, double scale, int64_t window,
+                           std::vector<float>& scratch, O* out);
 
 // decode_attention_int8.cpp: the same over an int8 cache, k/v [B, Hkv, S, d] int8 codes and k_scale/v_scale
 // [B, Hkv, S] float32 (value = code * scale; static_decode/core/kv_quant.py), read in place.
