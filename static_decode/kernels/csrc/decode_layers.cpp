@@ -25,6 +25,7 @@
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/record_function.h>
 
@@ -179,14 +180,66 @@ inline float rnd(float f) {  // a float32 value rounded to the model's dtype (wh
   return static_cast<float>(static_cast<S>(f));
 }
 
+// rnd of 16 values at once: bfloat16's round to nearest even, as c10::BFloat16 rounds one value.
+template <typename S>
+inline Vec rnd(const Vec& v) {
+  if constexpr (std::is_same_v<S, float>) {
+    return v;
+  } else {
+    return std::get<0>(at::vec::convert_to_float<S>(at::vec::convert_from_float<S>(v, v)));
+  }
+}
+
+// Rounds n float32 values to the model's dtype in place; the vector part and the tail round alike.
+template <typename S>
+void round_all(float* p, int64_t n) {
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) rnd<S>(Vec::loadu(p + i)).store(p + i);
+  for (; i < n; ++i) p[i] = rnd<S>(p[i]);
+}
+
+// The first `count` values of v stored at out in the model's dtype.
+template <typename S>
+inline void store_as(const Vec& v, S* out, int64_t count) {
+  if constexpr (std::is_same_v<S, float>) {
+    v.store(out, count);
+  } else {
+    at::vec::convert_from_float<S>(v, v).store(out, count);
+  }
+}
+
+// The residual x += rnd(o), rounded, in place over D values.
+template <typename S>
+void add_residual(float* x, const float* o, int64_t D) {
+  for (int64_t i = 0; i < D; i += Vec::size()) {
+    const int64_t c = std::min<int64_t>(Vec::size(), D - i);
+    rnd<S>(Vec::loadu(x + i, c) + rnd<S>(Vec::loadu(o + i, c))).store(x + i, c);
+  }
+}
+
 // RMSNorm of x [D] (float32 values of the model's dtype) into out [D] in the model's dtype: x / rms(x) in float32,
-// rounded, times the weight, rounded (static_decode.model.RMSNorm).
+// rounded, times the weight, rounded (static_decode.model.RMSNorm). The sum of squares is taken in float64 (exact
+// squares, 8 independent sums): one float32 chain was ~5 us a call at 3,072 values, and a float32 sum in another
+// order than torch's mean moved the result by more than the last bit where the eager layer's did not.
 template <typename S>
 void rms_norm(const float* x, const S* weight, int64_t D, double eps, S* out) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
+  double a[8] = {0., 0., 0., 0., 0., 0., 0., 0.};
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8)
+    for (int j = 0; j < 8; ++j) a[j] += static_cast<double>(x[i + j]) * x[i + j];
+  for (; i < D; ++i) a[0] += static_cast<double>(x[i]) * x[i];
+  const float ss = static_cast<float>(((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])));
   const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
-  for (int64_t i = 0; i < D; ++i) out[i] = static_cast<S>(static_cast<float>(weight[i]) * rnd<S>(x[i] * r));
+  for (i = 0; i < D; i += Vec::size()) {
+    const int64_t c = std::min<int64_t>(Vec::size(), D - i);
+    Vec w;
+    if constexpr (std::is_same_v<S, float>) {
+      w = Vec::loadu(weight + i, c);
+    } else {
+      w = std::get<0>(at::vec::convert_to_float<S>(at::vec::Vectorized<S>::loadu(weight + i, c)));
+    }
+    store_as<S>(w * rnd<S>(Vec::loadu(x + i, c) * Vec(r)), out + i, c);
+  }
 }
 
 // The rotary embedding of `heads` heads of d values (rounded products in y) in place, half-split pairing
@@ -291,7 +344,7 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     rms_norm<S>(xs.data(), ptr(kInNorm), D, eps, h.data());
     products<S>(h.data(), D, {mat(kQ, Nq, qkv.data()), mat(kK, Nkv, qkv.data() + Nq),
                               mat(kV, Nkv, qkv.data() + Nq + Nkv)}, row);
-    for (float& f : qkv) f = rnd<S>(f);
+    round_all<S>(qkv.data(), Nq + 2 * Nkv);
     rotate<S>(qkv.data(), Hq + Hkv, d, cs, sn);  // q's heads then k's: adjacent
     write_kv<S>(cache, l, pos, qkv.data() + Nq, qkv.data() + Nq + Nkv, Hkv, d);  // in place at pos (rule 1)
     const int64_t window = windows.empty() ? 0 : windows[l];
@@ -316,19 +369,17 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
       std::copy(out.data_ptr<S>(), out.data_ptr<S>() + Nq, att.data());
     }
     products<S>(att.data(), Nq, {mat(kO, D, o.data())}, row);
-    for (int64_t i = 0; i < D; ++i) xs[i] = rnd<S>(xs[i] + rnd<S>(o[i]));
+    add_residual<S>(xs.data(), o.data(), D);
     rms_norm<S>(xs.data(), ptr(kPostNorm), D, eps, h.data());
     products<S>(h.data(), D, {mat(kGate, inner, gu.data()), mat(kUp, inner, gu.data() + inner)}, row);
-    for (float& f : gu) f = rnd<S>(f);
+    round_all<S>(gu.data(), 2 * inner);
     for (int64_t i = 0; i < inner; i += Vec::size()) {  // silu(gate) * up, rounded once: gemv_bf16_glu's math
       const int64_t c = std::min<int64_t>(Vec::size(), inner - i);
       const Vec g = Vec::loadu(gu.data() + i, c), u = Vec::loadu(gu.data() + inner + i, c);
-      alignas(64) float t[Vec::size()];
-      (g / (Vec(1.f) + g.neg().exp()) * u).store(t);
-      for (int64_t j = 0; j < c; ++j) h[i + j] = static_cast<S>(t[j]);
+      store_as<S>(g / (Vec(1.f) + g.neg().exp()) * u, h.data() + i, c);
     }
     products<S>(h.data(), inner, {mat(kDown, D, o.data())}, row);
-    for (int64_t i = 0; i < D; ++i) xs[i] = rnd<S>(xs[i] + rnd<S>(o[i]));
+    add_residual<S>(xs.data(), o.data(), D);
   }
   auto out = at::empty_like(x);
   S* op = out.data_ptr<S>();
