@@ -190,12 +190,13 @@ inline Vec rnd(const Vec& v) {
   }
 }
 
-// Rounds n float32 values to the model's dtype in place; the vector part and the tail round alike.
+// Rounds n float32 values to the model's dtype in place.
 template <typename S>
 void round_all(float* p, int64_t n) {
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) rnd<S>(Vec::loadu(p + i)).store(p + i);
-  for (; i < n; ++i) p[i] = rnd<S>(p[i]);
+  for (int64_t i = 0; i < n; i += Vec::size()) {
+    const int64_t c = std::min<int64_t>(Vec::size(), n - i);
+    rnd<S>(Vec::loadu(p + i, c)).store(p + i, c);
+  }
 }
 
 // The first `count` values of v stored at out in the model's dtype.
@@ -330,6 +331,8 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   static_decode_kernels::QuantRow row;  // the row the quantized products read, reused by every product
   std::vector<S> att(Nq);  // the attention's output [1, Hkv, G, d], o_proj's row
   std::vector<float> scratch;  // the attention's partial results, reused by every layer
+  // An int8 cache's attention takes the queries as a tensor in the model's dtype, [1, Hkv, G, d]: head h = kv * G + g.
+  const at::Tensor q = cache.k_scale != nullptr ? at::empty({1, Hkv, G, d}, x.options()) : at::Tensor();
 
   for (int64_t l = 0; l < L; ++l) {
     // One profiler range per layer (torch.profiler, and Nsight/VTune through its ITT/NVTX observers): the op is
@@ -358,7 +361,6 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
                                                       lens_after.data_ptr<int64_t>(), n_new.data_ptr<int64_t>(), 1,
                                                       Hkv, G, 1, scale, window, scratch, att.data());
     } else {
-      auto q = at::empty({1, Hkv, G, d}, x.options());  // the queries in the model's dtype: head h = kv * G + g
       S* qp = q.data_ptr<S>();
       for (int64_t i = 0; i < Nq; ++i) qp[i] = static_cast<S>(qkv[i]);
       const auto kl = k.select(0, l).slice(2, 0, read_len);  // [1, Hkv, read_len, d] views
