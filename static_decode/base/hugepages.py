@@ -3,13 +3,19 @@
 Why: a decode step streams every weight once per token, and at long contexts the whole live KV cache; on 4 KB pages
 the prefetchers stop at every page and the TLB misses. `to_huge_pages` moves a module's CPU parameters and buffers
 into one mapping advised MADV_HUGEPAGE before anything touches it, each tensor swapped in place (tied weights stay
-tied, memory does not double).
+tied, memory does not double). Where the kernel could not find free 2 MB blocks while the copy faulted the mapping in
+(a process that already holds several large models, beside other processes' files in the page cache), the weights
+came out partly on 4 KB pages and their steps ran slower: the heap's free memory is handed back to the system first
+and the mapping collapsed into huge pages after the copy (MADV_COLLAPSE, Linux 6.1+), both best effort;
+`huge_page_share` reads what the kernel gave.
 Elsewhere (another OS, THP off, under 2 MB in all) it does nothing and returns 0. Details:
 docs/internals.md#hugepages.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 import re
@@ -21,6 +27,7 @@ import torch
 from torch import nn
 
 HUGE_PAGE = 2 << 20  # the x86-64 / arm64 transparent huge page
+MADV_COLLAPSE = 25  # Linux's madvise advice (6.1+): make a range huge pages now, compacting as needed
 ALIGN = 64  # each tensor's slot starts on a cache line
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -69,6 +76,54 @@ def drop_file_cache(files: Iterable[str | os.PathLike[str]]) -> None:
             os.close(fd)
 
 
+def trim_heap() -> None:
+    """glibc's malloc_trim(0): the heap's free pages back to the system (the float weights a quantized load freed
+    stay in the heap otherwise, gigabytes the huge pages of the next mapping could use). Elsewhere: nothing."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+
+
+def collapse(region: mmap.mmap, start: int, length: int) -> None:
+    """Bytes [start, start + length) of `region` (2 MB aligned) as huge pages now, those faulted in 4 KB pages
+    copied over (MADV_COLLAPSE). EAGAIN (a page busy for a moment, e.g. still in a CPU's LRU batch) is tried again,
+    twice; a kernel without it (EINVAL), or no 2 MB blocks to be had (ENOMEM): left as they are."""
+    for _ in range(3):
+        try:
+            region.madvise(MADV_COLLAPSE, start, length)
+            return
+        except OSError as e:
+            if e.errno != errno.EAGAIN:
+                return
+
+
+def huge_page_share(address: int, smaps: Path = Path("/proc/self/smaps")) -> float | None:
+    """The share of the resident memory of the mapping holding `address` that sits on transparent huge pages
+    (AnonHugePages / Rss in the kernel's smaps; where the kernel merged it with a neighbour advised alike, theirs
+    together), None where that cannot be read (not Linux, no such mapping)."""
+    fields: dict[str, int] = {}
+    try:
+        with open(smaps) as f:
+            inside = False
+            for line in f:
+                first = line.split(maxsplit=1)[0]
+                if not first.endswith(":"):  # a mapping's header line: start-end perms offset ...
+                    if inside:
+                        break
+                    start, _, end = first.partition("-")
+                    inside = int(start, 16) <= address < int(end, 16)
+                elif inside and first in ("Rss:", "AnonHugePages:"):
+                    fields[first[:-1]] = int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    if "Rss" not in fields:
+        return None
+    return fields.get("AnonHugePages", 0) / fields["Rss"] if fields["Rss"] else 0.0
+
+
 def to_huge_pages(model: nn.Module, *, min_bytes: int = HUGE_PAGE,
                   files: Iterable[str | os.PathLike[str]] = ()) -> int:
     """Move `model`'s CPU parameters and buffers onto memory advised for transparent huge pages, in place; returns
@@ -81,6 +136,7 @@ def to_huge_pages(model: nn.Module, *, min_bytes: int = HUGE_PAGE,
     if total < min_bytes:
         return 0
     drop_file_cache(files)
+    trim_heap()
     # A fresh private anonymous mapping (nothing in it touched yet; torch's allocator may hand back heap memory
     # already faulted in 4 KB pages), one huge page larger than the aligned span it advises. The tensors keep it
     # alive (torch.frombuffer holds a reference to it).
@@ -102,4 +158,5 @@ def to_huge_pages(model: nn.Module, *, min_bytes: int = HUGE_PAGE,
             slot.copy_(t)
             t.data = slot
             offset += _round_up(t.nbytes, ALIGN)
+    collapse(region, start, span)  # the parts the faults left on 4 KB pages
     return total

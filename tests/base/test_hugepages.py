@@ -138,3 +138,52 @@ def test_load_model_drops_its_files_page_cache_before_the_huge_page_copy(monkeyp
     path = default_model_path()
     load_model(path)
     assert advised == [str(path / "model.safetensors")]
+
+
+def test_huge_page_share_reads_the_mapping_holding_the_address(tmp_path):
+    smaps = tmp_path / "smaps"
+    smaps.write_text(
+        "00400000-00600000 r-xp 00000000 fd:01 42 /usr/bin/python3\nSize: 2048 kB\nRss: 1024 kB\n"
+        "AnonHugePages: 0 kB\nVmFlags: rd ex\n"
+        "7f0000000000-7f0000800000 rw-p 00000000 00:00 0 \nSize: 8192 kB\nRss: 8192 kB\n"
+        "AnonHugePages: 6144 kB\nVmFlags: rd wr hg\n"
+        "7f0000800000-7f0000a00000 rw-p 00000000 00:00 0 \nSize: 2048 kB\nRss: 0 kB\nAnonHugePages: 0 kB\n")
+    assert hugepages.huge_page_share(0x7F0000000000 + 5, smaps) == 0.75
+    assert hugepages.huge_page_share(0x7F00007FFFFF, smaps) == 0.75  # the last byte of it
+    assert hugepages.huge_page_share(0x7F0000900000, smaps) == 0.0  # nothing resident
+    assert hugepages.huge_page_share(0x500000, smaps) == 0.0
+    assert hugepages.huge_page_share(0x10, smaps) is None  # no mapping holds it
+    assert hugepages.huge_page_share(0x10, tmp_path / "missing") is None
+
+
+@needs_thp
+def test_to_huge_pages_leaves_the_weights_on_huge_pages():
+    """What the kernel reports for the mapping after the move: all of it on huge pages (the faults advised, then the
+    range collapsed where a fault fell back to 4 KB pages)."""
+    m = nn.Linear(1024, 2048, bias=False).requires_grad_(False)  # 8 MB of float32: four huge pages
+    assert hugepages.to_huge_pages(m) > 0
+    assert hugepages.huge_page_share(m.weight.data_ptr()) == 1.0
+
+
+def test_trim_heap_runs_anywhere():
+    hugepages.trim_heap()  # glibc's malloc_trim, or nothing
+
+
+@needs_thp
+def test_collapse_moves_4kb_pages_onto_huge_pages():
+    """A range touched without advice (4 KB pages in the madvise mode) is on huge pages after `collapse`, values
+    kept: what to_huge_pages does to the parts of its mapping whose faults fell back to 4 KB pages."""
+    size = 4 * hugepages.HUGE_PAGE
+    region = mmap.mmap(-1, size + hugepages.HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+    start = -base % hugepages.HUGE_PAGE
+    region.madvise(mmap.MADV_DONTFORK, start, size)  # a flag of its own: a mapping the kernel does not merge
+    t = torch.frombuffer(region, dtype=torch.uint8, count=size, offset=start)
+    t.copy_(torch.arange(size, dtype=torch.int64).remainder(251).to(torch.uint8))
+    if hugepages.thp_mode() == "madvise":
+        assert hugepages.huge_page_share(base + start) == 0.0  # the control: 4 KB pages
+    hugepages.collapse(region, start, size)
+    assert hugepages.huge_page_share(base + start) == 1.0
+    assert torch.equal(t, torch.arange(size, dtype=torch.int64).remainder(251).to(torch.uint8))
+    del t
+    region.close()

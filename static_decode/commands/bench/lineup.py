@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from static_decode.base.hugepages import huge_page_share
 from static_decode.checkpoints.loading import load_model
 from static_decode.commands.bench.config import BenchConfig, GGUFFile
 from static_decode.commands.bench.requests import FORMS, system_name
@@ -176,8 +177,10 @@ def weights(p: Planned, system: Any, model: Llama) -> dict[str, Any]:
     """The system's JSON facts of its weights: its form and the bytes a decode step reads, with how they are
     counted (absent where unknown)."""
     if p.form is not None:
+        share = huge_page_share(next(model.parameters()).data_ptr()) if model.device.type == "cpu" else None
         return {"quantize": p.form, "weight_bytes": read_bytes(model),
-                "weight_bytes_counted": "static_decode.model.quant.read_bytes"}
+                "weight_bytes_counted": "static_decode.model.quant.read_bytes",
+                **({} if share is None else {"weights_on_huge_pages": round(share, 3)})}
     if p.facts is not None:
         return {"gguf": str(p.gguf.path), "file_type": p.facts.file_type, "weight_bytes": p.facts.tensor_bytes,
                 "weight_bytes_counted": p.facts.counted}

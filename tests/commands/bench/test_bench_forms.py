@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from static_decode.base import hugepages
 from static_decode.checkpoints.loading import default_model_path, load_model
 from static_decode.commands import cli
 from static_decode.commands.bench import command as bench
@@ -164,6 +165,8 @@ def test_a_bench_of_two_forms_on_the_embedded_model(tmp_path, capsys):
     assert own == {"static-decode": float_bytes, "static-decode-eager": float_bytes,
                    "static-decode int8": int8_bytes, "static-decode-eager int8": int8_bytes}
     assert int8_bytes < float_bytes / 2
+    if hugepages.thp_mode() in ("always", "madvise"):  # each form's weights: the share the kernel put on huge pages
+        assert all(0 <= s["weights_on_huge_pages"] <= 1 for s in doc["systems"]), doc["systems"]
     kv = 2 * doc["model"]["layers"] * doc["model"]["kv_heads"] * doc["model"]["head_dim"] * 4
     for b in doc["bound"]:
         assert b["bytes_per_token"] == own[b["system"]] + b["context"] * kv
