@@ -29,7 +29,7 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 _SOURCE_NAMES = ("decode_attention.cpp", "decode_attention_int8.cpp", "gemv_bf16.cpp", "gemv_quant.cpp",
-                 "decode_layers.cpp", "decode_layers_checks.cpp", "sample_keys.cpp")
+                 "linear_quant.cpp", "decode_layers.cpp", "decode_layers_checks.cpp", "sample_keys.cpp")
 SOURCES = [CSRC / name for name in _SOURCE_NAMES]
 # Hashed into the build flags: torch's builder tracks only the sources.
 HEADERS = [CSRC / name for name in ("kernels.h", "checks.h", "attention_avx512.h", "decode_common.h",

@@ -4,7 +4,8 @@ A batch-1 decode step reads every weight once per token, so int8 halves a bfloat
 quarters them. Every projection and the LM head are quantized; activations, norms, the cache and the embedding stay
 in the model's dtype. int8: w ~ q * s per output channel; int4: w ~ (q - 8) * s + z per group along K (tinygemm's
 convention), two codes a byte. One row on the CPU goes through our kernel (`gemv_q`, eager and compiled alike),
-several rows through the weight dequantized once; CUDA through static_decode.model.quant_cuda.
+several rows through the weight dequantized a block of rows at a time (`linear_q`); CUDA through
+static_decode.model.quant_cuda.
 `quantize_model(model, "int8" | "int4" | Scheme)` rewrites a loaded model in place; `QuantWeight.dequantize` gives
 the weight the products use. Formats in full: docs/internals.md#quant.
 """
@@ -24,6 +25,10 @@ from static_decode.model.parallel import shard_dim
 INT4_GROUPS = (32, 64, 128)
 DEFAULT_INT4_GROUP = 32  # the finest group: +quality at +1/16 of the bytes; as fast as 64 and 128 (measured)
 DTYPES = (torch.float32, torch.bfloat16)  # model dtypes the quantized products take
+# Dequantized weights of at least this many bytes take the blocked product of several rows (`linear_q`): the
+# largest allocation glibc serves from its heap, so a larger whole dequantized weight is a fresh mapping paged in on
+# every call; smaller ones multiplied faster whole (profiles/RESULTS.md, "Quantized prefill by row blocks").
+BLOCKED_BYTES = 32 << 20
 # The shrink factors of the int4 range search (1.0: the plain min/max range).
 INT4_SHRINK = tuple(1.0 - 0.02 * i for i in range(11))
 
@@ -206,10 +211,16 @@ class QuantWeight(nn.Module):
             out = quant_cuda.int8_matmul(x2, self.qweight, self.scales)  # [M, N]
         elif self.device.type == "cuda" and x2.shape[0] == 1:  # int4, one row: one fused reduction over the bytes
             out = quant_cuda.int4_row(x2, self.qweight, self.scales, self.scheme.group)  # [1, N]
+        elif (self.device.type == "cpu" and x.dtype in DTYPES and cpu_kernel.available()
+              and self.in_features * self.out_features * x.element_size() >= BLOCKED_BYTES):
+            # Several rows (prefill chunks, verify steps) by a large weight on the CPU: dequantized a block of rows
+            # at a time in x's dtype, each block through the float GEMM while it is in cache (csrc/linear_quant.cpp).
+            group = 0 if self.scheme.bits == 8 else self.scheme.group
+            out = torch.ops.static_decode_cpu.linear_q(x2, self.qweight, self.scales, group)  # [M, N]
         else:
-            # Several rows (prefill chunks, verify steps), and int4 without our kernels: the weight dequantized in
-            # x's dtype (dequant_q on the CPU: one pass), then the float GEMM. torch's int8/int4 CPU kernels take
-            # rows one at a time: 33-52x slower for a 256-row chunk (profiles/RESULTS.md, "Quantized weights").
+            # Several rows by a smaller weight, or without our kernels: the weight dequantized whole in x's dtype
+            # (dequant_q on the CPU: one pass), then the float GEMM. torch's int8/int4 CPU kernels take rows one at
+            # a time: 33-52x slower for a 256-row chunk (profiles/RESULTS.md, "Quantized weights").
             out = torch.nn.functional.linear(x2, self.dequantize(x.dtype))  # [M, N]
         return out.reshape(*lead, self.out_features)
 

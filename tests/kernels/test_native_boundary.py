@@ -161,6 +161,12 @@ def cases() -> dict:
     out["gemv_q: int8 scales for 7 rows of 6"] = (
         gemv_q_call(torch.randn(40), torch.ones(6, 40, dtype=torch.int8), torch.ones(7), 0),
         r"int8 scales must be \[6\], got \[7\]")
+    out["linear_q: one row [K], not [M, K]"] = (
+        ((lambda: OPS.linear_q(torch.randn(128), g32.qweight, g32.scales, 32)), (g32.qweight, g32.scales)),
+        r"x \[128\] is not \[M, 128\]")
+    out["linear_q: float16 rows"] = (
+        ((lambda: OPS.linear_q(torch.randn(2, 128).half(), g32.qweight, g32.scales, 32)), (g32.qweight, g32.scales)),
+        r"x's dtype Half is not float32/bfloat16")
     out["dequant_q: int4 scales of another group"] = (
         ((lambda: OPS.dequant_q(g32.qweight, g32.scales, 64, torch.float32)), (g32.qweight, g32.scales)),
         r"int4 scales must be \[6, 2, 2\], got \[6, 4, 2\]")

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from static_decode.core.reference import attention_vectorised
 from static_decode.kernels import cpu_kernel
+from tests.support.native_fuzz_linear import check_linear_q_cases
 from tests.support.native_fuzz_quant import Harness, check_gemv_q_cases
 from tests.support.native_fuzz_quant_layers import check_layers_q_cases
 from tests.support.native_fuzz_sampling import check_sampling_cases
@@ -331,11 +332,12 @@ def check_gemv(c: dict) -> None:
 
 
 def check_quantized() -> None:
-    """gemv_q and decode_layers_q (tests/support/native_fuzz_quant.py, native_fuzz_quant_layers.py), counted and traced
-    here."""
+    """gemv_q, linear_q and decode_layers_q (tests/support/native_fuzz_quant.py, native_fuzz_linear.py,
+    native_fuzz_quant_layers.py), counted and traced here."""
     harness = Harness(note, tally, guarded, same_bits, raises, length)
     examples = int(sys.argv[1]) if len(sys.argv) > 1 else 100
     check_gemv_q_cases(harness, examples)
+    check_linear_q_cases(harness, examples)
     check_layers_q_cases(harness, examples, GUARD)
 
 

@@ -801,6 +801,19 @@ void dequant_rows(const QuantMat& m, int64_t K, int64_t n0, int64_t n1, T* out) 
   for (int64_t n = n0; n < n1; ++n) dequant_row<T>(m, n, K, f.data(), out + n * K);
 }
 
+}  // namespace
+
+void static_decode_kernels::dequant_rows_into(const QuantMat& m, int64_t K, int64_t n0, int64_t n1,
+                                              at::ScalarType dtype, void* out) {
+  std::vector<float> f(K);  // the portable path's row in float32
+  for (int64_t n = n0; n < n1; ++n) {
+    if (dtype == at::kFloat) dequant_row<float>(m, n, K, f.data(), static_cast<float*>(out) + (n - n0) * K);
+    else dequant_row<at::BFloat16>(m, n, K, f.data(), static_cast<at::BFloat16*>(out) + (n - n0) * K);
+  }
+}
+
+namespace {
+
 // The weight [N, K] in `dtype` (float32 or bfloat16): (q - 8) * s + z or q * s computed in float32 and rounded once,
 // the values the one-row products multiply by. For chunks of several rows, which multiply through the float GEMM:
 // one pass over the codes, where the same in torch ops (unpack, convert, multiply, add) took several passes and

@@ -101,5 +101,8 @@ int64_t quant_block(const QuantMat& m);  // rows per inner step: split the rows 
 // naming `name`, and returns its QuantMat; the weight's N and K in *N and *K.
 QuantMat quant_mat(const at::Tensor& q, const at::Tensor& s, int64_t group, const char* op, const char* name,
                    int64_t* N, int64_t* K);
+// Rows [n0, n1) of m's weight [N, K] at `out` (rows n0.. from its start) in `dtype` (float32 or bfloat16): each value
+// computed in float32 and rounded once, the weight the several-row products multiply by (dequant_q's values).
+void dequant_rows_into(const QuantMat& m, int64_t K, int64_t n0, int64_t n1, at::ScalarType dtype, void* out);
 
 }  // namespace static_decode_kernels
