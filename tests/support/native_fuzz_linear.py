@@ -17,17 +17,16 @@ from tests.support.native_fuzz_quant import (
     ACC,
     FIRST,
     GROUPS,
-    OPS,
     OUT_ROUNDING,
     SCALE_DTYPES,
     X_DTYPES,
     Harness,
+    check_call,
     dequantized,
     drawn,
     gemv_q_case,
     gemv_q_tensors,
     quant_shape,
-    refused_by_check,
 )
 
 X_FORMS = ("rows", "rows", "strided", "flat", "empty", "wide", "batched")
@@ -82,24 +81,7 @@ def check_linear_q_values(c: dict, out: torch.Tensor, x: torch.Tensor, q: torch.
 
 
 def check_linear_q(h: Harness, c: dict) -> None:
-    x, q, s = linear_q_tensors(c)
-    saved = [t.clone() for t in (x, q, s)]
-    out = None
-
-    def call() -> None:
-        nonlocal out
-        out = OPS.linear_q(x, q, s, c["call_group"])
-
-    h.note("linear_q", c)
-    err = h.raises(call)
-    assert all(map(h.same_bits, saved, (x, q, s))), f"an argument changed: {c}"
-    valid = linear_q_valid(x, q, s, c["call_group"])
-    h.tally("linear_q", err is None)
-    assert (err is None) == valid, f"valid={valid} but the call {'raised ' + repr(err) if err else 'ran'}: {c}"
-    if err is not None:
-        assert refused_by_check(err, "linear_q"), f"refused by {err!r}, not by the op's checks: {c}"
-    else:
-        check_linear_q_values(c, out, x, q, s)
+    check_call(h, "linear_q", c, linear_q_tensors(c), linear_q_valid, check_linear_q_values)
 
 
 def check_linear_q_cases(h: Harness, examples: int) -> None:

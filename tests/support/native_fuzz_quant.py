@@ -260,25 +260,32 @@ def check_gemv_q_values(c: dict, out: torch.Tensor, x: torch.Tensor, q: torch.Te
         f"{want.tolist()}: {c}")
 
 
-def check_gemv_q(h: Harness, c: dict) -> None:
-    x, q, s = gemv_q_tensors(c)
-    saved = [t.clone() for t in (x, q, s)]
+def check_call(h: Harness, op: str, c: dict, tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+               valid: Callable[..., bool], check_values: Callable[..., None]) -> None:
+    """One case of a quantized op taking (x, codes, scales, group): run where `valid` says so (its values checked by
+    `check_values`), refused by the op's own checks otherwise, its arguments unchanged either way."""
+    x, q, s = tensors
+    saved = [t.clone() for t in tensors]
     out = None
 
     def call() -> None:
         nonlocal out
-        out = OPS.gemv_q(x, q, s, c["call_group"])
+        out = getattr(OPS, op)(x, q, s, c["call_group"])
 
-    h.note("gemv_q", c)
+    h.note(op, c)
     err = h.raises(call)
-    assert all(map(h.same_bits, saved, (x, q, s))), f"an argument changed: {c}"
-    valid = gemv_q_valid(x, q, s, c["call_group"])
-    h.tally("gemv_q", err is None)
-    assert (err is None) == valid, f"valid={valid} but the call {'raised ' + repr(err) if err else 'ran'}: {c}"
+    assert all(map(h.same_bits, saved, tensors)), f"an argument changed: {c}"
+    ok = valid(x, q, s, c["call_group"])
+    h.tally(op, err is None)
+    assert (err is None) == ok, f"valid={ok} but the call {'raised ' + repr(err) if err else 'ran'}: {c}"
     if err is not None:
-        assert refused_by_check(err, "gemv_q"), f"refused by {err!r}, not by the op's checks: {c}"
+        assert refused_by_check(err, op), f"refused by {err!r}, not by the op's checks: {c}"
     else:
-        check_gemv_q_values(c, out, x, q, s)
+        check_values(c, out, x, q, s)
+
+
+def check_gemv_q(h: Harness, c: dict) -> None:
+    check_call(h, "gemv_q", c, gemv_q_tensors(c), gemv_q_valid, check_gemv_q_values)
 
 
 def check_gemv_q_cases(h: Harness, examples: int) -> None:

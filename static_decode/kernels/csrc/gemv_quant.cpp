@@ -795,12 +795,6 @@ void dequant_row(const QuantMat& m, int64_t n, int64_t K, float* f, T* out) {
 #endif
 }
 
-template <typename T>
-void dequant_rows(const QuantMat& m, int64_t K, int64_t n0, int64_t n1, T* out) {
-  std::vector<float> f(K);  // the portable path's row in float32
-  for (int64_t n = n0; n < n1; ++n) dequant_row<T>(m, n, K, f.data(), out + n * K);
-}
-
 }  // namespace
 
 void static_decode_kernels::dequant_rows_into(const QuantMat& m, int64_t K, int64_t n0, int64_t n1,
@@ -823,9 +817,9 @@ at::Tensor dequant_q(const at::Tensor& qweight, const at::Tensor& scales, int64_
   const QuantMat m = static_decode_kernels::quant_mat(qweight, scales, group, "dequant_q", "the weight", &N, &K);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequant_q: dtype ", dtype, " (float32 or bfloat16)");
   auto out = at::empty({N, K}, qweight.options().dtype(dtype));
+  auto* base = static_cast<char*>(out.data_ptr());
   at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
-    if (dtype == at::kFloat) dequant_rows<float>(m, K, b, e, out.data_ptr<float>());
-    else dequant_rows<at::BFloat16>(m, K, b, e, out.data_ptr<at::BFloat16>());
+    static_decode_kernels::dequant_rows_into(m, K, b, e, dtype, base + b * K * out.element_size());
   });
   return out;
 }
