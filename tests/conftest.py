@@ -30,3 +30,12 @@ def _no_trace_log_capture():
     saved, log.propagate = log.propagate, False
     yield
     log.propagate = saved
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """The ISA this run's CPU kernels are built for and run (torch's capability, forced lower by
+    ATEN_CPU_CAPABILITY), with the optional instructions they use: tests/kernels/test_isa_paths.py reads it."""
+    from static_decode.kernels import cpu_kernel
+
+    return (f"static-decode CPU kernels: {cpu_kernel.capability()} (AVX512-BF16 dot: {cpu_kernel.bf16_dot()}, "
+            f"AVX512-VNNI: {cpu_kernel.int8_dot()})")

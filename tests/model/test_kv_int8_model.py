@@ -34,19 +34,50 @@ def int8(model):
         model.kv_dtype = None
 
 
-def _quantizing_writes(monkeypatch) -> None:
+def _quantizing_writes(monkeypatch) -> dict[str, torch.Tensor]:
+    """Reference writes store code * scale of what they are given; the unrounded inputs also go to float buffers
+    returned here ("k", "v": made at the first write, shaped as the cache's), so a test can see how near a rounding
+    boundary each stored value was."""
     real = cache_module.write_slots
+    raw: dict[str, torch.Tensor] = {}
 
     def rounded(k, v, lens, max_len, layer, k_new, v_new, n_new, **kw):
+        if not raw:
+            raw.update(k=torch.zeros_like(k), v=torch.zeros_like(v))
+        real(raw["k"], raw["v"], lens, max_len, layer, k_new, v_new, n_new)
         k_new, v_new = (kv_quant.dequantize(*kv_quant.quantize(x)) for x in (k_new, v_new))
         real(k, v, lens, max_len, layer, k_new, v_new, n_new, **kw)
 
     monkeypatch.setattr(cache_module, "write_slots", rounded)
+    return raw
+
+
+# How near a rounding boundary (a code + 0.5) an unrounded value x / scale may lie for its code to differ: the two
+# runs' K/V inputs agree within float32 rounding (~1e-6 relative, up to 127 code steps: ~1e-4 of a step).
+BOUNDARY = 1e-3
+
+
+def _codes_agree_but_at_boundaries(codes, scales, raw) -> None:
+    """codes/scales (an int8 cache's, [L, B, H, S(, d)]) against the codes the reference quantizes its unrounded
+    inputs `raw` to: scales within float32 rounding; a code may differ only by one step, and only where the
+    reference's unrounded value lay within BOUNDARY of the boundary between the two codes (float32 rounding of the
+    inputs moved it across)."""
+    want_codes, want_scales = kv_quant.quantize(raw)
+    torch.testing.assert_close(scales, want_scales, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(codes[0], want_codes[0], atol=0, rtol=0)  # the first layer's inputs are the same
+    off = codes.to(torch.int32) != want_codes.to(torch.int32)
+    if off.any():
+        ratio = raw / torch.where(want_scales > 0, want_scales, 1.0)[..., None]
+        step = (codes.to(torch.int32) - want_codes.to(torch.int32))[off]
+        boundary = (codes.float() + want_codes.float())[off] / 2  # halfway between the two codes
+        assert (step.abs() == 1).all(), step[step.abs() != 1]
+        assert ((ratio[off] - boundary).abs() < BOUNDARY).all(), (ratio[off], boundary)
 
 
 def test_steps_equal_a_float_cache_holding_the_dequantized_values(model, monkeypatch) -> None:
     """A prefill chunk (dequantized copy, SDPA) and token steps (the CPU kernel reading the codes): logits within
-    float32 rounding of the float32 cache holding code * scale."""
+    float32 rounding of the float32 cache holding code * scale. A code of a later layer may be one step off where
+    its value lay at a rounding boundary (which codes do depends on the ISA's float32 summation order)."""
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (2, 12), generator=gen)
     steps = torch.randint(0, model.config.vocab_size, (6, 2, 1), generator=gen)
@@ -57,16 +88,33 @@ def test_steps_equal_a_float_cache_holding_the_dequantized_values(model, monkeyp
         got = [model(prompt, cache, [12, 9])] + [model(t, cache, [1, 1]) for t in steps]
     finally:
         model.kv_dtype = None
-    _quantizing_writes(monkeypatch)
+    raw = _quantizing_writes(monkeypatch)
     ref = model.new_cache(2, 64)
     want = [model(prompt, ref, [12, 9])] + [model(t, ref, [1, 1]) for t in steps]
-    held = kv_quant.dequantize(cache.k, cache.k_scale)  # [layers, B, Hkv, max_len + 1, d]
-    torch.testing.assert_close(held[0], ref.k[0], atol=0, rtol=0)  # the first layer's inputs are the same
-    torch.testing.assert_close(held, ref.k, atol=1e-5, rtol=1e-5)  # later layers: the attention's float32 rounding
+    torch.testing.assert_close(kv_quant.dequantize(*kv_quant.quantize(raw["k"])), ref.k, atol=0, rtol=0)
+    _codes_agree_but_at_boundaries(cache.k, cache.k_scale, raw["k"])
+    _codes_agree_but_at_boundaries(cache.v, cache.v_scale, raw["v"])
     torch.testing.assert_close(got[0][0], want[0][0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[0][1, :9], want[0][1, :9], atol=1e-4, rtol=1e-4)
     for g, w in zip(got[1:], want[1:], strict=True):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_the_boundary_check_refuses_a_code_off_away_from_a_boundary() -> None:
+    """The check above is not loose: in a later layer, a code one step off where its value lay at a boundary passes;
+    one step off a quarter step from the boundary fails, as does a code two steps off and any code off in layer 0."""
+    raw = torch.tensor([1.27, 0.105, 0.2025, -0.5]).repeat(2, 1, 1, 1, 1)  # [L, B, H, S, d]; x / scale 127, 10.5, 20.25
+    codes, scales = kv_quant.quantize(raw)
+    _codes_agree_but_at_boundaries(codes, scales, raw)
+    for layer, index, step, ok in ((1, 1, 1 if codes[1, 0, 0, 0, 1] == 10 else -1, True), (1, 2, 1, False),
+                                   (1, 1, 2, False), (0, 1, 1, False)):
+        bumped = codes.clone()
+        bumped[layer, 0, 0, 0, index] += step
+        if ok:
+            _codes_agree_but_at_boundaries(bumped, scales, raw)
+        else:
+            with pytest.raises(AssertionError):
+                _codes_agree_but_at_boundaries(bumped, scales, raw)
 
 
 def test_compiled_greedy_equals_eager_with_an_int8_cache(int8) -> None:

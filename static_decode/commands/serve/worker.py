@@ -182,10 +182,10 @@ class Worker:
                 for item in piece:
                     t = item if isinstance(item, int) else item.token  # an id, or its logprob record
                     ids.append(t)
+                    if not isinstance(item, int):  # every sampled token has its record, the EOS token's too
+                        scores.append(TokenScore(item, at))
                     if t in eos:  # the reply's end (always its last token), not part of its text
                         continue
-                    if not isinstance(item, int):
-                        scores.append(TokenScore(item, at))
                     text = stream.step(tok, t)
                     if text:
                         at += len(text)

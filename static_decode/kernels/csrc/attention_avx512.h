@@ -3,7 +3,8 @@
 // registers. Included by decode_attention.cpp only; built by static_decode/cpu_kernel.py.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -21,6 +22,33 @@ namespace static_decode_kernels::attention {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kBlock = 64;  // keys scored and softmaxed together: M x 64 scores stay in L1
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The sum and the largest of a vector's lanes. at::vec's portable Vectorized (the DEFAULT build) declares
+// reduce_add/reduce_max through a `reduce` that does not compile, so that build reads the lanes out; the ISA builds
+// take at::vec's own.
+inline float lane_sum(const Vec& v) {
+#if defined(CPU_CAPABILITY_DEFAULT)
+  float x[Vec::size()];
+  v.store(x);
+  float s = 0.f;
+  for (int i = 0; i < Vec::size(); ++i) s += x[i];
+  return s;
+#else
+  return v.reduce_add();
+#endif
+}
+
+inline float lane_max(const Vec& v) {
+#if defined(CPU_CAPABILITY_DEFAULT)
+  float x[Vec::size()];
+  v.store(x);
+  float m = x[0];
+  for (int i = 1; i < Vec::size(); ++i) m = std::max(m, x[i]);
+  return m;
+#else
+  return v.reduce_max();
+#endif
+}
 
 #if defined(CPU_CAPABILITY_AVX512)
 // r[j] = the sum of a[j]'s 16 lanes, for 16 vectors at once: a transposing tree of 15 adds and 30 shuffles, against

@@ -5,7 +5,10 @@
 // tensors), nothing per key or per weight.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <cstdint>

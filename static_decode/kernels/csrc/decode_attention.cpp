@@ -48,6 +48,8 @@ using static_decode_kernels::attention::combine;
 using static_decode_kernels::attention::plan_splits;
 using static_decode_kernels::attention::window_start;
 using static_decode_kernels::attention::kNegInf;
+using static_decode_kernels::attention::lane_max;
+using static_decode_kernels::attention::lane_sum;
 using static_decode_kernels::attention::Vec;
 #if defined(CPU_CAPABILITY_AVX512)
 using namespace static_decode_kernels::attention;  // the AVX-512 score and value-row paths
@@ -90,7 +92,7 @@ inline void scores(const float* q, int64_t M, const float* kb, int64_t n, int64_
       const float* kr = kb + j * NX * Vec::size();
       Vec a = qm[0] * Vec::loadu(kr);
       for (int x = 1; x < NX; ++x) a = at::vec::fmadd(qm[x], Vec::loadu(kr + x * Vec::size()), a);
-      s[m * kBlock + j] = a.reduce_add() * scale;
+      s[m * kBlock + j] = lane_sum(a) * scale;
     }
     std::fill(s + m * kBlock + visible, s + m * kBlock + n, kNegInf);
   }
@@ -170,7 +172,7 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
       std::fill(sm + n, sm + nv, kNegInf);  // whole vectors below
       Vec top(kNegInf);
       for (int64_t j = 0; j < nv; j += Vec::size()) top = at::vec::maximum(top, Vec::loadu(sm + j));
-      const float block_max = top.reduce_max();
+      const float block_max = lane_max(top);
       if (top.isnan().zero_mask() != kAllLanes) {  // a NaN score (query, key or scale): NaN out, as softmax gives
         l[m] = std::numeric_limits<float>::quiet_NaN();  // sticks through later blocks; combine() writes NaN
         continue;
@@ -184,7 +186,7 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
         e.store(sm + j);
         sum = sum + e;
       }
-      l[m] = l[m] * alpha[m] + sum.reduce_add();
+      l[m] = l[m] * alpha[m] + lane_sum(sum);
       mx[m] = new_max;
       active[na++] = m;
     }

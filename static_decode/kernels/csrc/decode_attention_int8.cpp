@@ -70,7 +70,7 @@ inline void code_scores(const float* q, int64_t M, const float* kb, int64_t n, i
       Vec a(0.f);
       for (int x = 0; x < NX; ++x)
         a = at::vec::fmadd(Vec::loadu(q + (m * NX + x) * Vec::size()), Vec::loadu(kb + (j * NX + x) * Vec::size()), a);
-      s[m * kBlock + j] = a.reduce_add() * scale;
+      s[m * kBlock + j] = lane_sum(a) * scale;
     }
     std::fill(s + m * kBlock + visible, s + m * kBlock + n, kNegInf);
   }
@@ -132,7 +132,7 @@ void item_int8(const float* q, bool bf16_q, int64_t M, const int8_t* k, int64_t 
       float* sm = s + m * kBlock;
       Vec top(kNegInf);
       for (int64_t j = 0; j < nv; j += Vec::size()) top = at::vec::maximum(top, Vec::loadu(sm + j));
-      const float block_max = top.reduce_max();
+      const float block_max = lane_max(top);
       if (top.isnan().zero_mask() != kAllLanes) {  // a NaN score: NaN out, as softmax gives (combine writes it)
         l[m] = std::numeric_limits<float>::quiet_NaN();
         continue;
@@ -148,7 +148,7 @@ void item_int8(const float* q, bool bf16_q, int64_t M, const int8_t* k, int64_t 
         const Vec sv = c == Vec::size() ? Vec::loadu(vsc + j0 + j) : Vec::loadu(vsc + j0 + j, c);
         (e * sv).store(sm + j);  // the value's scale on its weight, after the sum
       }
-      l[m] = l[m] * alpha[m] + sum.reduce_add();
+      l[m] = l[m] * alpha[m] + lane_sum(sum);
       mx[m] = new_max;
       active[na++] = m;
     }

@@ -2,7 +2,8 @@
 // and the check itself. Built together by static_decode/cpu_kernel.py.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 
 #include "kernels.h"
 

@@ -2,7 +2,10 @@
 // plain functions, no dispatcher in between. Built together by static_decode/cpu_kernel.py.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cstdint>
 #include <vector>

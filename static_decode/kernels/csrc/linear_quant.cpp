@@ -12,6 +12,7 @@
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/mm.h>
 
 #include <algorithm>
 #include <cstdint>

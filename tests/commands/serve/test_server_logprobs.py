@@ -146,6 +146,52 @@ def test_echo_scores_the_prompt_as_transformers_and_perplexity_do(server, ref, c
         == whole["logprobs"]["tokens"]
 
 
+def test_an_eos_token_has_its_record_like_every_sampled_token(server, ref):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1) where the one sampled token is
+    EOS (forced by a logit bias): len(prompt) + 1 records, the last the EOS token's, its text as the tokenizer
+    renders the token and its logprob the model's (before the bias), streamed and not; a chat reply ending at EOS
+    lists its record last too. Leaving it out shifted lm-eval's continuation slice by one token."""
+    gen, tok, template = ref
+    ids = tok.encode(PROMPT).ids
+    eos = gen.eos_token_ids[0]
+    gen.generate([*ids, eos], 1, prompt_logprobs=1)
+    want = gen.prompt_logprobs[-1]  # the model's logprob of EOS after the prompt
+    assert want.token == eos
+    body = {"prompt": PROMPT, "max_tokens": 1, "logprobs": 1, "echo": True, "logit_bias": {str(eos): 100}}
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    choice = whole["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "stop" and whole["usage"]["completion_tokens"] == 1
+    assert len(lp["token_logprobs"]) == len(lp["tokens"]) == len(lp["text_offset"]) == len(ids) + 1
+    assert lp["tokens"][-1] == tok.decode([eos], skip_special_tokens=False) and lp["text_offset"][-1] == len(PROMPT)
+    assert lp["token_logprobs"][-1] == pytest.approx(want.logprob, abs=1e-5)
+    assert lp["top_logprobs"][-1] is not None
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    streamed = [v for e in events if e["choices"][0]["logprobs"] for v in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == lp["token_logprobs"]
+
+    messages = [{"role": "user", "content": "write fib"}]
+    chat = {"messages": messages, "max_tokens": 3, "logprobs": True, "top_logprobs": 1, "logit_bias": {str(eos): 100}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
+    assert r["message"]["content"] == "" and r["finish_reason"] == "stop"
+    entries = r["logprobs"]["content"]
+    assert len(entries) == 1 and entries[0]["bytes"] == list(tok.decode([eos], skip_special_tokens=False).encode())
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    content = [c for e in events if e["choices"] and e["choices"][0].get("logprobs")
+               for c in e["choices"][0]["logprobs"]["content"]]
+    assert content == entries
+
+
+def test_the_library_lists_the_eos_token_record_last(ref):
+    """The Python API: a reply that ends at EOS has the EOS token's record as its last, as every sampled token."""
+    gen, tok, _ = ref
+    eos = gen.eos_token_ids[0]
+    recs = gen.generate(tok.encode(PROMPT).ids, 5, logprobs=1, logit_bias={eos: 100})
+    assert [r.token for r in recs] == [eos] and recs[0].logprob is not None and recs[0].logprob <= 0
+
+
 def check_chat(content, recs, tok, k: int) -> None:
     assert len(content) == len(recs)
     for entry, r in zip(content, recs, strict=True):
