@@ -23,6 +23,12 @@ def pytest_configure(config: pytest.Config) -> None:
         cpu_kernel.available()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The forced-ISA kernel runs first (each a few minutes in one file of its own): xdist's loadfile hands files
+    out in this order, so they run beside the rest instead of after it."""
+    items.sort(key=lambda item: item.get_closest_marker("isa") is None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_trace_log_capture():
     """pytest's log capture makes torch build its structured compile trace (graph dumps): ~2x compile time."""
@@ -34,7 +40,7 @@ def _no_trace_log_capture():
 
 def pytest_report_header(config: pytest.Config) -> str:
     """The ISA this run's CPU kernels are built for and run (torch's capability, forced lower by
-    ATEN_CPU_CAPABILITY), with the optional instructions they use: tests/kernels/test_isa_paths.py reads it."""
+    ATEN_CPU_CAPABILITY), with the optional instructions they use: tests/support/isa_runs.py reads it."""
     from static_decode.kernels import cpu_kernel
 
     return (f"static-decode CPU kernels: {cpu_kernel.capability()} (AVX512-BF16 dot: {cpu_kernel.bf16_dot()}, "

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from static_decode.generation import json_numbers
 from static_decode.steps import grammar as tables
 from static_decode.steps.grammar import TokenAutomaton
 from static_decode.text.token_bytes import token_bytes
@@ -29,7 +30,8 @@ DEFAULT_GRAMMAR_TABLES = (1024, 1024)  # (states, token classes) of a Generator'
 
 
 class Grammar:
-    """A JSON constraint compiled for one vocabulary: `json_schema(schema, tokenizer)` or `json_object(tokenizer)`.
+    """A constraint compiled for one vocabulary: `json_schema(schema, tokenizer)`, `json_object(tokenizer)` or
+    `regex(pattern, tokenizer)`.
 
     `automaton` is the token-level automaton when the grammar is regular (the device path), else None; `why_host`
     then says why. vocab_size: the model's vocabulary (default: the tokenizer's; a model may pad it)."""
@@ -63,6 +65,23 @@ class Grammar:
         return cls("json_schema", json.dumps(schema), tokenizer, vocab_size)
 
     @classmethod
+    def regex(cls, pattern: str, tokenizer: Tokenizer, *, vocab_size: int | None = None) -> Grammar:
+        """Output that fully matches the regular expression `pattern` (outlines-core's syntax): a forced tool call,
+        its arguments' part made of `args_regex` pieces."""
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"a grammar's regular expression must be a non-empty string, got {pattern!r}")
+        return cls("regex", pattern, tokenizer, vocab_size)
+
+    @staticmethod
+    def args_regex(schema: dict) -> str:
+        """The regular expression of one JSON value valid under `schema`, numbers bounded (json_numbers): what
+        json_schema's device path runs, as a piece of a larger expression."""
+        from outlines_core.json_schema import build_regex_from_schema
+
+        text = json.dumps(schema)
+        return json_numbers.cap_regex(build_regex_from_schema(text), text)
+
+    @classmethod
     def json_object(cls, tokenizer: Tokenizer, *, vocab_size: int | None = None) -> Grammar:
         """Output that is one JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
         return cls("json_object", None, tokenizer, vocab_size)
@@ -72,7 +91,8 @@ class Grammar:
         from outlines_core.json_schema import build_regex_from_schema
 
         try:
-            regex = build_regex_from_schema(self.schema)
+            regex = self.schema if self.kind == "regex" else json_numbers.cap_regex(
+                build_regex_from_schema(self.schema), self.schema)
         except Exception as e:  # noqa: BLE001 (recursion, an unsupported keyword): the host grammar takes it
             self.why_host = f"outlines-core cannot make a regular expression of the schema ({e})"
             return
@@ -104,8 +124,12 @@ class Grammar:
             info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=self.vocab_size,
                                           stop_token_ids=list(key) or None)
             compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
-            schema = self.schema if self.kind == "json_schema" else json.dumps({"type": "object"})
-            self._xgrammar[key] = compiler.compile_json_schema(schema)
+            if self.kind == "regex":
+                self._xgrammar[key] = compiler.compile_regex(self.schema)
+            else:
+                schema = self.schema if self.kind == "json_schema" else json.dumps({"type": "object"})
+                ebnf = json_numbers.cap_ebnf(str(xgrammar.Grammar.from_json_schema(schema)), schema)
+                self._xgrammar[key] = compiler.compile_grammar(ebnf)
         return self._xgrammar[key]
 
 

@@ -5,9 +5,11 @@ an `APIError`: an HTTP status and OpenAI's error body, {"error": {"message", "ty
 Extensions: `top_k`, `ignore_eos`, `repeat_penalty`; `min_p` as vLLM and llama.cpp take it. `logit_bias` (string token
 ids as OpenAI sends them), `presence_penalty` and `frequency_penalty` are OpenAI's. Fields the API defines and this
 server does not use (user, ...) are accepted and ignored, as llama.cpp's server does; those whose meaning it
-cannot honour (`n` > 1, several prompts) are refused. A chat's template inputs (tools, tool_choice, tool calls and
-results, chat_template_kwargs, reasoning_format) are checked in static_decode.commands.serve.messages, logprobs,
-top_logprobs and echo in static_decode.commands.serve.logprobs.
+cannot honour (`n` > 1) are refused. A /v1/completions `prompt` that lists several prompts (strings, or lists of
+token ids) is several requests checked together, answered one after another as the choices of one response. A
+chat's template inputs (tools, tool_choice, tool calls and results, chat_template_kwargs, reasoning_format) are
+checked in static_decode.commands.serve.messages, logprobs, top_logprobs and echo in
+static_decode.commands.serve.logprobs.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from static_decode.commands.serve import messages as chat_fields
 from static_decode.commands.serve import structured as formats
 from static_decode.generation.request import SamplingParams, check_request
 from static_decode.generation.structured import Grammar
+from static_decode.text import tool_calls
 from static_decode.text.chat_template import ChatTemplate
 from static_decode.text.reasoning import START as REASONING_START
+from static_decode.text.tool_calls import ToolFormat
 
 
 class APIError(Exception):
@@ -98,7 +102,8 @@ class Completion:
     logprobs: int | None = None  # alternatives per token of the answer's logprobs (None: no logprobs)
     echo: bool = False  # completions: the prompt's text (and with logprobs its tokens') before the completion's
     echo_text: str = ""  # that text: the prompt string, or the prompt ids decoded
-    grammar: Grammar | None = None  # response_format's constraint (None: free text)
+    grammar: Grammar | None = None  # response_format's constraint, or a forced tool call's (None: free text)
+    tool_format: ToolFormat | None = None  # chat with tools: the format the reply's calls are parsed in (None: none)
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -112,7 +117,7 @@ UNHONOURED: dict[str, tuple[Any, ...]] = {
     "typical_p": (None, 1, 1.0),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None, True),  # no call is parsed from the reply, so none is limited to one
+    "parallel_tool_calls": (None, True),  # the calls a reply makes are parsed as written, never cut to one
     "documents": (None,), "chat_template": (None,),  # vLLM's template arguments
     "continue_final_message": (None, False), "add_generation_prompt": (None, True),
     "best_of": (None, 1),
@@ -216,15 +221,16 @@ def _body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _prompt_ids(body: dict[str, Any], ctx: Context, chat: bool) -> tuple[list[int], str]:
-    """The prompt's ids and, for a chat, the rendered template's text."""
+def _prompt_ids(body: dict[str, Any], ctx: Context, chat: bool,
+                tools: list[dict[str, Any]] | None = None) -> tuple[list[int], str]:
+    """The prompt's ids and, for a chat, the rendered template's text (with `tools`, checked by the caller)."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _bad(f"messages must be a non-empty list of messages, got {messages!r}", "messages")
         try:  # the chat fields' own checks (static_decode.commands.serve.messages)
             checked = [chat_fields.chat_message(i, m) for i, m in enumerate(messages)]
-            tools, kwargs = chat_fields.chat_tools(body), chat_fields.template_kwargs(body, ctx.template_kwargs)
+            kwargs = chat_fields.template_kwargs(body, ctx.template_kwargs)
         except chat_fields.FieldError as e:
             raise _bad(str(e), e.param) from e
         if ctx.template is None:
@@ -250,13 +256,46 @@ def _prompt_ids(body: dict[str, Any], ctx: Context, chat: bool) -> tuple[list[in
         if not all(0 <= t < ctx.vocab_size for t in prompt):
             raise _bad(f"prompt token ids must be in 0..{ctx.vocab_size - 1}, got {prompt!r}", "prompt")
         return list(prompt), ""
-    raise _bad(f"prompt must be a non-empty string or list of token ids (one prompt: this server decodes one "
-               f"stream), got {prompt!r}", "prompt")
+    raise _bad(f"prompt must be a non-empty string, a list of token ids, or a list of either (several prompts), "
+               f"got {json.dumps(prompt)[:120] if _jsonable(prompt) else repr(prompt)[:120]}", "prompt")
+
+
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request (each is checked before any runs)
+
+
+def _prompt_list(body: dict[str, Any]) -> list[Any] | None:
+    """A /v1/completions prompt of several prompts (a list of two or more strings or lists), else None."""
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, list) and len(prompt) > 1 and any(isinstance(p, str | list) for p in prompt)):
+        return None
+    if len(prompt) > MAX_PROMPTS:
+        raise _bad(f"prompt lists {len(prompt)} prompts; a request takes at most {MAX_PROMPTS}", "prompt")
+    return prompt
+
+
+def parse_all(raw: bytes, ctx: Context, *, chat: bool) -> list[Completion]:
+    """The checked requests of one HTTP request: one, or one per prompt of a /v1/completions prompt list, in order
+    (every prompt checked before any is answered: a bad one refuses the whole request, naming its index)."""
+    body = _body(raw)
+    prompts = None if chat else _prompt_list(body)
+    if prompts is None:
+        return [_parse(body, ctx, chat=chat)]
+    out = []
+    for i, prompt in enumerate(prompts):
+        try:
+            out.append(_parse({**body, "prompt": prompt}, ctx, chat=False))
+        except APIError as e:
+            raise APIError(e.status, f"prompt[{i}]: {e.message}", type=e.type, param=e.param, code=e.code,
+                           headers=e.headers) from e
+    return out
 
 
 def parse(raw: bytes, ctx: Context, *, chat: bool) -> Completion:
-    """The checked request of `/v1/chat/completions` (chat) or `/v1/completions`, or an APIError."""
-    body = _body(raw)
+    """The checked request of `/v1/chat/completions` (chat) or `/v1/completions` with one prompt, or an APIError."""
+    return _parse(_body(raw), ctx, chat=chat)
+
+
+def _parse(body: dict[str, Any], ctx: Context, *, chat: bool) -> Completion:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad(f"model must be a string, got {model!r}", "model")
@@ -305,7 +344,12 @@ def parse(raw: bytes, ctx: Context, *, chat: bool) -> Completion:
         reasoning = chat and chat_fields.reasoning_format(body, ctx.reasoning_format) == "deepseek"
     except chat_fields.FieldError as e:
         raise _bad(str(e), e.param) from e
-    ids, rendered = _prompt_ids(body, ctx, chat)
+    try:
+        tools = chat_fields.chat_tools(body) if chat else None
+        choice = chat_fields.tool_choice(body, tools) if chat else None
+    except chat_fields.FieldError as e:
+        raise _bad(str(e), e.param) from e
+    ids, rendered = _prompt_ids(body, ctx, chat, tools)
     room = ctx.max_len - len(ids) - ctx.draft_slots
     if max_tokens is None:
         if room < 1:
@@ -326,12 +370,42 @@ def parse(raw: bytes, ctx: Context, *, chat: bool) -> Completion:
         grammar = formats.response_format(body, ctx.grammars, ctx.draft_slots > 0)
     except formats.FormatError as e:
         raise _bad(str(e), "response_format") from e
+    fmt = None
+    if tools and choice != "none" and ctx.template is not None:  # the template that renders tools writes calls
+        fmt = tool_calls.detect(ctx.template.tool_source or ctx.template.source)
+    if choice not in (None, "none", "auto"):
+        fmt = fmt or tool_calls.HERMES
+        grammar = _forced_call(ctx, tools or [], choice, fmt, grammar)
     return Completion(chat=chat, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                       top_k=top_k, seed=seed, stop=stop, stream=stream,
                       include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos, **samplers,
                       repeat_penalty=repeat_penalty, reasoning=reasoning,
                       reasoning_open=reasoning and rendered.rstrip().endswith(REASONING_START), logprobs=logprobs,
-                      echo=echo, echo_text=_echo_text(body, ids, ctx) if echo else "", grammar=grammar)
+                      echo=echo, echo_text=_echo_text(body, ids, ctx) if echo else "", grammar=grammar,
+                      tool_format=fmt)
+
+
+def _forced_call(ctx: Context, tools: list[dict[str, Any]], choice: str, fmt: ToolFormat,
+                 response_format: Grammar | None) -> Grammar:
+    """The grammar of a reply that is one call, as `fmt` writes it, of the tool `choice` names (any tool for
+    "required"), its arguments held to the tool's parameters schema: structured output on the device."""
+    shown = json.dumps(choice)
+    if response_format is not None:
+        raise _bad(f"tool_choice {shown} forces a call and response_format asks for another output; set one of them",
+                   "tool_choice")
+    if ctx.draft_slots:
+        raise _bad(f"tool_choice {shown} is not supported by this server, which decodes speculatively (--speculate): "
+                   "a forced call is constrained output; leave it out or set it to \"auto\"", "tool_choice")
+    if ctx.grammars is None:
+        raise _bad(f"tool_choice {shown} is not supported by this server: a forced call is constrained output; start "
+                   "it with `serve --structured`, or leave it out or set it to \"auto\"", "tool_choice")
+    chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
+    try:
+        pattern = tool_calls.call_regex(fmt, chosen, Grammar.args_regex)
+        return ctx.grammars.regex(pattern)
+    except Exception as e:  # noqa: BLE001 - a parameters schema neither library takes
+        raise _bad(f"tool_choice {shown}: the call's grammar cannot be made from the tools' parameters: "
+                   f"{type(e).__name__}: {e}", "tools") from e
 
 
 def _echo_text(body: dict[str, Any], ids: list[int], ctx: Context) -> str:

@@ -7,7 +7,8 @@ and methods, has OpenAI's error body. A chat reply under reasoning_format "deeps
 `reasoning_content` (delta.reasoning_content when streamed), split by static_decode.text.reasoning. A streamed
 response whose client goes away cancels its request (the worker stops it at the next read-back); so does a
 non-streamed one, watched through the ASGI receive channel. Logprobs and echo in OpenAI's formats:
-static_decode.commands.serve.logprobs.
+static_decode.commands.serve.logprobs. A /v1/completions prompt list is answered prompt after prompt, choice `index`
+i for prompt i (streamed: each choice's chunks, then its finish, before the next's), with the usage summed.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from static_decode.commands.serve import logprobs as scored
-from static_decode.commands.serve.api import APIError, Completion, Context, parse
+from static_decode.commands.serve.api import APIError, Completion, Context, parse_all
 from static_decode.commands.serve.metrics import Metrics
 from static_decode.commands.serve.tokens import detokenize, tokenize
 from static_decode.commands.serve.worker import Job, Usage, Worker
 from static_decode.text.reasoning import ReasoningSplit
+from static_decode.text.tool_calls import ToolCall, ToolCallSplit
 
 log = logging.getLogger("static_decode.serve")
 
@@ -63,6 +65,8 @@ class _Reply:
         self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.split = ReasoningSplit(in_reasoning=req.reasoning_open) if req.reasoning else None
+        self.calls = None if req.tool_format is None else ToolCallSplit(req.tool_format)
+        self.called = False  # whether the reply's calls were found (its finish_reason is then "tool_calls")
         self.tokenizer, self.k = served.ctx.tokenizer, req.logprobs
 
     def logprobs(self, scores: list[scored.TokenScore] | None) -> dict[str, Any] | None:
@@ -72,13 +76,31 @@ class _Reply:
         fmt = scored.chat_logprobs if self.chat else scored.completion_logprobs
         return fmt(self.tokenizer, scores, self.k)
 
-    def deltas(self, text: str | None) -> list[dict[str, str]]:
+    def deltas(self, text: str | None) -> list[dict[str, Any]]:
         """The chat deltas of the reply's next text (None: its end): content, or reasoning_content and content
-        apart when the reasoning is split off."""
+        apart when the reasoning is split off; with tools, the calls the content ends with as tool_calls (their
+        text held back from content until the end shows whether they are calls)."""
         if self.split is None:
-            return [{"content": text}] if text else []
-        reasoning, content = self.split.flush() if text is None else self.split.feed(text)
-        return [d for d in ({"reasoning_content": reasoning}, {"content": content}) if next(iter(d.values()))]
+            reasoning, content = "", text or ""
+        else:
+            reasoning, content = self.split.flush() if text is None else self.split.feed(text)
+        calls: list[ToolCall] = []
+        if self.calls is not None:
+            content = self.calls.feed(content)
+            if text is None:
+                rest, calls = self.calls.flush()
+                content += rest
+        out: list[dict[str, Any]] = [d for d in ({"reasoning_content": reasoning}, {"content": content})
+                                     if next(iter(d.values()))]
+        if calls:
+            self.called = True
+            out.append({"tool_calls": [
+                {"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for i, c in enumerate(calls)]})
+        return out
+
+    def finish(self, reason: str) -> str:
+        return "tool_calls" if self.called else reason
 
     def _wrap(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -86,34 +108,42 @@ class _Reply:
                 "system_fingerprint": None, "choices": choices}
 
     def chunk(self, text: str | None, finish: str | None = None, *, role: bool = False,
-              delta: dict[str, str] | None = None, scores: list[scored.TokenScore] | None = None) -> dict[str, Any]:
+              delta: dict[str, Any] | None = None, scores: list[scored.TokenScore] | None = None,
+              index: int = 0) -> dict[str, Any]:
         lp = self.logprobs(scores)
         if self.chat:
             delta = {**({"role": "assistant"} if role else {}), **(delta or {})}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
         return self._wrap([choice], chunk=True)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**self._wrap([], chunk=True), "usage": usage.body()}
 
-    def whole(self, text: str, finish: str, usage: Usage, scores: list[scored.TokenScore]) -> dict[str, Any]:
+    def whole(self, answers: list[tuple[str, str, list[scored.TokenScore]]], usage: Usage) -> dict[str, Any]:
+        """The response of (text, finish_reason, records) for each prompt, in order."""
+        choices = [self._choice(i, *answer) for i, answer in enumerate(answers)]
+        return {**self._wrap(choices, chunk=False), "usage": usage.body()}
+
+    def _choice(self, index: int, text: str, finish: str, scores: list[scored.TokenScore]) -> dict[str, Any]:
         lp = self.logprobs(scores)
         if self.chat:
-            message = {"role": "assistant", "content": text}
-            if self.split is not None:  # the same split as streamed: the whole text, then the end
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.split is not None or self.calls is not None:  # as streamed: the whole text, then the end
                 parts = [d for piece in (text, None) for d in self.deltas(piece)]
                 message["content"] = "".join(d.get("content", "") for d in parts)
                 reasoning = "".join(d.get("reasoning_content", "") for d in parts)
                 if reasoning:
                     message["reasoning_content"] = reasoning
-            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
-        return {**self._wrap([choice], chunk=False), "usage": usage.body()}
+                calls = [{k: v for k, v in c.items() if k != "index"} for d in parts for c in d.get("tool_calls", [])]
+                if calls:
+                    message["tool_calls"] = calls
+                    message["content"] = message["content"] or None  # OpenAI's: null beside calls
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": self.finish(finish)}
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -126,6 +156,7 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
 
 
 async def _stream(reply: _Reply, job: Job, include_usage: bool, metrics: Metrics | None) -> AsyncIterator[bytes]:
+    index, usages = 0, []  # the prompt being answered; the usage of those answered
     try:
         if reply.chat:
             yield _sse(reply.chunk("", role=True))
@@ -136,19 +167,23 @@ async def _stream(reply: _Reply, job: Job, include_usage: bool, metrics: Metrics
                 for i, delta in enumerate(deltas):  # the records go with the event's last delta
                     yield _sse(reply.chunk(None, delta=delta, scores=event[2] if i == len(deltas) - 1 else None))
             elif event[0] == "text":
-                yield _sse(reply.chunk(event[1], scores=event[2]))
+                yield _sse(reply.chunk(event[1], scores=event[2], index=index))
             elif event[0] == "done":
                 _, finish, usage = event
                 _observe(metrics, usage)
+                usages.append(usage)
                 if reply.chat:
                     for delta in reply.deltas(None):
                         yield _sse(reply.chunk(None, delta=delta))
-                final = reply.chunk(None if reply.chat else "", finish)
+                final = reply.chunk(None if reply.chat else "", reply.finish(finish), index=index)
                 if include_usage:
                     final["usage"] = None
                 yield _sse(final)
+                index += 1
+                if index < len(job.requests):
+                    continue
                 if include_usage:
-                    yield _sse(reply.usage_chunk(usage))
+                    yield _sse(reply.usage_chunk(Usage.total(usages)))
                 yield _sse("[DONE]")
                 return
             else:  # an error after the response started: OpenAI's error body as the last event
@@ -161,8 +196,9 @@ async def _stream(reply: _Reply, job: Job, include_usage: bool, metrics: Metrics
 async def _complete(request: Request, chat: bool) -> Response:
     served: Served = request.app.state.served
     try:
-        req: Completion = parse(await request.body(), served.ctx, chat=chat)
-        job = Job(req, asyncio.get_running_loop())
+        reqs: list[Completion] = parse_all(await request.body(), served.ctx, chat=chat)
+        req = reqs[0]  # what the response's form depends on is the same for every prompt of a list
+        job = Job(reqs, asyncio.get_running_loop())
         served.worker.submit(job)
     except APIError as e:
         return error_response(e)
@@ -178,6 +214,8 @@ async def _complete(request: Request, chat: bool) -> Response:
     watcher = asyncio.ensure_future(_watch_disconnect(request, job))
     parts: list[str] = []
     scores: list[scored.TokenScore] = []
+    answers: list[tuple[str, str, list[scored.TokenScore]]] = []
+    usages: list[Usage] = []
     try:
         while True:
             event = await job.events.get()
@@ -186,7 +224,11 @@ async def _complete(request: Request, chat: bool) -> Response:
                 scores.extend(event[2])
             elif event[0] == "done":
                 _observe(served.metrics, event[2])
-                return JSONResponse(reply.whole("".join(parts), event[1], event[2], scores))
+                answers.append(("".join(parts), event[1], scores))
+                usages.append(event[2])
+                parts, scores = [], []
+                if len(answers) == len(reqs):
+                    return JSONResponse(reply.whole(answers, Usage.total(usages)))
             else:
                 return error_response(event[1])
     finally:

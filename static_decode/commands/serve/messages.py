@@ -3,10 +3,10 @@
 The messages take OpenAI's shapes: content as a string or text parts; an assistant message may carry `tool_calls`
 (its content then may be null) and `reasoning_content`; a `tool` message answers one call (`tool_call_id`). They
 reach the template as transformers' `apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-**chat_template_kwargs)` gives them, so the prompt's ids are the ones it would tokenize. `tool_choice` "none" and
-"auto" leave the reply to the model (the same prompt: tools are rendered); forcing a call ("required", a named
-function) would need constrained output and is refused. A field set to what this server cannot honour raises
-`FieldError`, which names the field.
+**chat_template_kwargs)` gives them, so the prompt's ids are the ones it would tokenize. `tool_choice` "auto" leaves
+the reply to the model and parses the calls it writes, "none" leaves the reply as text (both render the tools);
+"required" or a named function forces one call (static_decode.commands.serve.api). A field set to what this server
+cannot honour raises `FieldError`, which names the field.
 """
 
 from __future__ import annotations
@@ -110,14 +110,32 @@ def chat_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
                     and isinstance(f.get("description", ""), str)):
                 raise FieldError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, "
                                  f"'description': str, 'parameters': object}}}}, got {_shown(t)}", "tools")
-    choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        if choice == "required" or isinstance(choice, dict):
-            raise FieldError(f"tool_choice is not supported by this server for {_shown(choice)}: forcing a call "
-                             "needs constrained output; leave it out or set it to \"none\" or \"auto\"", "tool_choice")
-        raise FieldError(f"tool_choice must be \"none\", \"auto\", \"required\" or a named function, got "
-                         f"{_shown(choice)}", "tool_choice")
     return tools
+
+
+def tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str | None:
+    """The request's tool_choice: None or "auto" (the model decides), "none" (no call is parsed), "required" (one
+    call of any tool, forced), or the name of the function a call is forced to ({"type": "function", "function":
+    {"name": ...}})."""
+    choice = body.get("tool_choice")
+    if choice in (None, "none", "auto"):
+        return choice
+    names = [t["function"]["name"] for t in tools or []]
+    if choice == "required" or isinstance(choice, dict):
+        if not names:
+            raise FieldError(f"tool_choice {_shown(choice)} forces a call, and the request has no tools", "tool_choice")
+        if choice == "required":
+            return choice
+        f = choice.get("function")
+        if not (choice.get("type") == "function" and isinstance(f, dict) and isinstance(f.get("name"), str)):
+            raise FieldError(f"tool_choice must name a function as {{'type': 'function', 'function': {{'name': "
+                             f"str}}}}, got {_shown(choice)}", "tool_choice")
+        if f["name"] not in names:
+            raise FieldError(f"tool_choice names function {f['name']!r}, which is not among the tools "
+                             f"({', '.join(names)})", "tool_choice")
+        return f["name"]
+    raise FieldError(f"tool_choice must be \"none\", \"auto\", \"required\" or a named function, got "
+                     f"{_shown(choice)}", "tool_choice")
 
 
 def template_kwargs(body: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:

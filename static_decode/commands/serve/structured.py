@@ -25,7 +25,8 @@ class FormatError(ValueError):
 
 
 class GrammarCache:
-    """The served tokenizer's compiled grammars: json_object once, each schema once (keyed by canonical JSON)."""
+    """The served tokenizer's compiled grammars: json_object once, each schema once (keyed by canonical JSON), each
+    forced tool call's regular expression once."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], size: int = CACHED_SCHEMAS) -> None:
         self.tokenizer, self.vocab_size, self.eos_ids, self.size = tokenizer, vocab_size, list(eos_ids), size
@@ -36,11 +37,28 @@ class GrammarCache:
     def get(self, schema: dict[str, Any] | None) -> Grammar:
         """The grammar of `schema` (None: any JSON object), compiled at its first request."""
         key = "" if schema is None else json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        return self._cached(key, lambda: self._compile(schema))
+
+    def regex(self, pattern: str) -> Grammar:
+        """The grammar of a regular expression (a forced tool call), compiled at its first request."""
+
+        def compile_regex() -> Grammar:
+            try:
+                grammar = Grammar.regex(pattern, self.tokenizer, vocab_size=self.vocab_size)
+                if grammar.why_host is not None:
+                    grammar.host_grammar(self.eos_ids)
+            except Exception as e:  # noqa: BLE001 - whatever the compilers refuse is the tools' fault
+                raise FormatError(f"the forced call's grammar cannot be compiled: {type(e).__name__}: {e}") from e
+            return grammar
+
+        return self._cached("regex:" + pattern, compile_regex)
+
+    def _cached(self, key: str, compile_it: Any) -> Grammar:
         with self._lock:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
-            grammar = self._compile(schema)
+            grammar = compile_it()
             self._grammars[key] = grammar
             self.compiled += 1
             while len(self._grammars) > self.size:

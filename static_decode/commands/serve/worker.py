@@ -32,6 +32,15 @@ class Usage:
     prefill_ms: float
     ms_per_token: float
 
+    @staticmethod
+    def total(parts: list[Usage]) -> Usage:
+        """The usage of several prompts answered in one response: counts and prefill times summed, the time per
+        token averaged over the decoded tokens."""
+        decoded = sum(u.completion_tokens for u in parts)
+        per_token = sum(u.ms_per_token * u.completion_tokens for u in parts) / decoded if decoded else 0.0
+        return Usage(sum(u.prompt_tokens for u in parts), decoded, sum(u.cached_tokens for u in parts),
+                     sum(u.prefill_ms for u in parts), per_token)
+
     def body(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -44,11 +53,12 @@ class Usage:
 
 @dataclass
 class Job:
-    """One queued request and the channel back to its HTTP handler (events: ("text", str, [TokenScore]: the
-    logprob records of the tokens that text completes, when asked for), ("done", finish_reason, Usage),
-    ("error", APIError))."""
+    """One queued request and the channel back to its HTTP handler. `requests`: its prompts' checked requests, run
+    one after another on the decode thread (a prompt list; usually one). Events, for each in turn: ("text", str,
+    [TokenScore]: the logprob records of the tokens that text completes, when asked for), then ("done",
+    finish_reason, Usage); or ("error", APIError), which ends the job."""
 
-    request: Completion
+    requests: list[Completion]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -124,7 +134,9 @@ class Worker:
                 continue
             start = time.perf_counter()
             try:
-                self._run(job)
+                for r in job.requests:  # a prompt list's prompts, in order, until one fails or is cancelled
+                    if not self._run(job, r):
+                        break
             except Exception as e:  # a bug or the device: this request fails, the server goes on
                 self.counts["failed"] += 1
                 job.post("error", APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
@@ -140,10 +152,11 @@ class Worker:
             if job is not None:
                 job.post("error", _shutting_down())
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job, r: Completion) -> bool:
+        """Run one prompt of `job`, posting its events; False when it ended the job (an error, a cancel)."""
         from tokenizers.decoders import DecodeStream
 
-        r, tok, gen = job.request, self.tokenizer, self.prefix.gen
+        tok, gen = self.tokenizer, self.prefix.gen
         t0 = time.perf_counter()
         scored = r.echo and r.logprobs is not None
         try:  # echo with max_tokens 0 decodes one token, which the answer leaves out
@@ -156,7 +169,7 @@ class Worker:
                                                grammar=r.grammar)
         except (ValueError, TypeError) as e:  # checked on the HTTP side already; the generator has the last word
             job.post("error", APIError(400, str(e)))
-            return
+            return False
         gen.stats = None
         stream, stops = DecodeStream(skip_special_tokens=True), StopStrings(r.stop)
         ids: list[int] = []
@@ -203,7 +216,7 @@ class Worker:
         if job.cancelled.is_set():
             self.counts["cancelled"] += 1
             job.post("error", _shutting_down() if self._closing else _cancelled())
-            return
+            return False
         if not stopped:  # what DecodeStream still held (an incomplete character), as a full decode renders it
             text = tok.decode([t for t in ids if t not in eos], skip_special_tokens=True)
             done = "".join(shown)
@@ -222,6 +235,7 @@ class Worker:
             per_token = 1e3 * (t2 - t1) / (len(ids) - 1) if len(ids) > 1 else 0.0
         self.counts["completed"] += 1
         job.post("done", finish, Usage(len(r.prompt_ids), len(ids), reuse.cached, prefill_ms, per_token))
+        return True
 
 
 def _prompt_scores(tok: Any, records: list | None) -> list[TokenScore]:
