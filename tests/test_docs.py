@@ -1,6 +1,9 @@
 """The documentation's links resolve: every relative link in README.md, docs/*.md and profiles/*.md names a file
 that exists, and a link to a heading (`file.md#anchor`) names a heading that file has (GitHub's anchor rules).
-README.md stays a front page: under 250 lines, and its test command is the one CI runs (.ci/run)."""
+README.md stays a front page: under 250 lines, and its test command is the one CI runs (.ci/run). README's Python
+snippet, run as written on the embedded model (its path, the CPU and shorter caches put in; the rest word for word,
+float32), does what it says: the speculative Generator's greedy output is the plain one's (`same`), and the ragged
+batch runs on a Generator of two rows while `gen` keeps one row (its one-prompt requests stay on one-row steps)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ import re
 from pathlib import Path
 
 import pytest
+
+from static_decode.checkpoints.loading import default_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "profiles").glob("*.md")])
@@ -98,3 +103,23 @@ def test_architecture_names_every_folder_and_module():
         assert mods <= named[d], (d, mods - named[d])
         listed = {w for w in named[d] if (ROOT / d / f"{w}.py").exists()}
         assert listed == mods, (d, listed ^ mods)
+
+
+def snippet() -> str:
+    text = (ROOT / "README.md").read_text().split("## The Python API at a glance", 1)[1]
+    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_the_readme_snippet_does_what_it_says():
+    dtype = "float32"  # where `same` is claimed True (bfloat16: up to near-ties, which a test cannot pin)
+    code = snippet()
+    for old, new in (('"path/to/checkpoint"', repr(str(default_model_path()))), ('device="cuda"', 'device="cpu"'),
+                     ('dtype="bfloat16"', f'dtype="{dtype}"'), ("max_len=8192", "max_len=256"),
+                     ("max_len=2048", "max_len=128"), ("print(gen.stats.summary())", "gen.stats.summary()")):
+        assert old in code, old
+        code = code.replace(old, new)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert len(scope["rows"]) == 2 and scope["batch"].cache.batch == 2 and scope["gen"].cache.batch == 1
+    assert len(scope["ids"]) > 0
+    assert scope["same"] is True

@@ -112,8 +112,9 @@ def test_assistant_content_null_is_given_to_the_template_as_transformers_gives_i
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [
-    ({"tool_choice": "required"}, "tool_choice", ['"required"', "is not supported by this server", "--structured"]),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
+    ({"tool_choice": "required", "tools": TOOLS}, "tool_choice",
+     ['"required"', "is not supported by this server", "--structured"]),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "tools": TOOLS}, "tool_choice",
      ["is not supported by this server", "get_weather", "--structured"]),
     ({"tool_choice": "sometimes"}, "tool_choice", ['"sometimes"']),
     ({"tools": {"name": "f"}}, "tools", ["tools must be a list"]),
