@@ -4,7 +4,10 @@
 the kernels build for it (`cpu_kernel.capability()` is torch's capability), and checks that the run's header
 (tests/conftest.py's report header) names that ISA: a run that fell back to the CPU's own ISA fails. The run has an
 inductor cache of its own: torch 2.13 reuses an FX graph compiled under another ATEN_CPU_CAPABILITY (its key leaves
-the capability out), and such a graph computed wrong values in tests.
+the capability out), and such a graph computed wrong values in tests. Inductor's own kernels are compiled for the
+forced ISA too (TORCHINDUCTOR_CPP_MARCH, MARCH): with its default -march=native on an AVX-512 machine, its AVX2
+kernels (at::vec's AVX2 types beside the compiler's AVX-512 macros) indexed out of bounds in a compiled speculative
+step, which the same step compiled for -march=znver3 (a Zen 3's native) did not.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ KERNEL_TESTS = (
 # What the kernel tests do that is not the kernels': graphs compiled by inductor around the ops (the capture
 # machinery, tested on this CPU's own ISA by the suite).
 NOT_KERNELS = "not compile"
+MARCH = {"AVX2": "x86-64-v3", "DEFAULT": "x86-64"}  # gcc's -march for inductor's kernels under a forced ISA
 HEADER = re.compile(r"^static-decode CPU kernels: (\w+) ", re.M)
 
 
@@ -52,7 +56,7 @@ def skip_unless_lower(isa: str) -> pytest.MarkDecorator:
 def run_kernel_tests(isa: str, tmp: Path) -> str:
     """Run KERNEL_TESTS with `isa` forced; assert the run built and ran `isa` and passed. Returns its summary line."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": isa.lower(), "OMP_NUM_THREADS": "1",
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")}
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"), "TORCHINDUCTOR_CPP_MARCH": MARCH[isa]}
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS"):
         env.pop(name, None)
     proc = subprocess.run(
