@@ -114,8 +114,8 @@ def test_the_readme_snippet_does_what_it_says():
     dtype = "float32"  # where `same` is claimed True (bfloat16: up to near-ties, which a test cannot pin)
     code = snippet()
     for old, new in (('"path/to/checkpoint"', repr(str(default_model_path()))), ('device="cuda"', 'device="cpu"'),
-                     ('dtype="bfloat16"', f'dtype="{dtype}"'), ("max_len=8192", "max_len=256"),
-                     ("max_len=2048", "max_len=128"), ("print(gen.stats.summary())", "gen.stats.summary()")):
+                     ('dtype="bfloat16"', f'dtype="{dtype}"'), ("max_len=8192", "max_len=128"),
+                     ("max_len=2048", "max_len=64"), ("print(gen.stats.summary())", "gen.stats.summary()")):
         assert old in code, old
         code = code.replace(old, new)
     scope: dict = {}

@@ -37,13 +37,6 @@ from tests.support.servers import MAX_LEN, ROOT, Server, _post, client  # noqa: 
 
 
 @pytest.fixture(scope="module")
-def server(chat_model):
-    s = Server(chat_model)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def ref(chat_model):
     """(generate ids -> text, prompt text -> ids, messages -> prompt ids) on the same checkpoint, in process."""
     model = load_model(chat_model)

@@ -48,13 +48,6 @@ def chat_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(chat_model):
-    s = Server(chat_model)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def ref(chat_model):
     """(generator with logprobs kept, tokenizer, chat template) on the same checkpoint, in process."""
     model = load_model(chat_model)

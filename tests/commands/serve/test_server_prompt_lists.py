@@ -21,16 +21,9 @@ pytest.importorskip("uvicorn")
 
 from static_decode import Generator, load_model  # noqa: E402
 from static_decode.checkpoints.loading import load_tokenizer  # noqa: E402
-from tests.support.servers import MAX_LEN, Server, _post, client  # noqa: E402
+from tests.support.servers import MAX_LEN, _post, client  # noqa: E402
 
 PROMPTS = ["def fib(n):", "import os\n\nclass ", "def fib(n):\n    if n"]
-
-
-@pytest.fixture(scope="module")
-def server(chat_model):
-    s = Server(chat_model)
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

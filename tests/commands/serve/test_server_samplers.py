@@ -61,13 +61,6 @@ def chat_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(chat_model):
-    s = Server(chat_model)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def defaults_server(banned):
     s = Server(default_model_path(), *[f"{banned}=-100" if f == "LATER" else f for f in DEFAULTS])
     yield s
