@@ -1,9 +1,10 @@
 """The documentation's links resolve: every relative link in README.md, docs/*.md and profiles/*.md names a file
 that exists, and a link to a heading (`file.md#anchor`) names a heading that file has (GitHub's anchor rules).
 README.md stays a front page: under 250 lines, and its test command is the one CI runs (.ci/run). README's Python
-snippet, run as written on the embedded model (its path, the CPU and shorter caches put in; the rest word for word,
-float32), does what it says: the speculative Generator's greedy output is the plain one's (`same`), and the ragged
-batch runs on a Generator of two rows while `gen` keeps one row (its one-prompt requests stay on one-row steps)."""
+snippet, run on the embedded model (its path, the CPU, float32, shorter caches and eager steps put in; the rest word
+for word; compiled speculation's equality is tests/steps/test_speculation.py's), does what it says: the
+speculative Generator's greedy output is the plain one's (`same`), and the ragged batch runs on a Generator of two
+rows while `gen` keeps one row (its one-prompt requests stay on one-row steps)."""
 
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ def test_the_readme_snippet_does_what_it_says():
     code = snippet()
     for old, new in (('"path/to/checkpoint"', repr(str(default_model_path()))), ('device="cuda"', 'device="cpu"'),
                      ('dtype="bfloat16"', f'dtype="{dtype}"'), ("max_len=8192", "max_len=128"),
-                     ("max_len=2048", "max_len=64"), ("print(gen.stats.summary())", "gen.stats.summary()")):
+                     ("max_len=2048", "max_len=64"), ("print(gen.stats.summary())", "gen.stats.summary()"),
+                     ("compile=True", "compile=False")):
         assert old in code, old
         code = code.replace(old, new)
     scope: dict = {}
