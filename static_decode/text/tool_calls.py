@@ -70,8 +70,9 @@ def _call(obj: Any, block: str, fmt: ToolFormat) -> ToolCall | None:
     """A call from its parsed JSON object (None: not a call); `block` is its text, for the arguments as written."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    given = obj.get("id")
-    ident = given if isinstance(given, str) and re.fullmatch(rf"[A-Za-z0-9]{{{fmt.id_chars}}}", given) else None
+    given = obj.get("id")  # kept where the format's ids are the model's own (Mistral's), when well formed
+    ident = given if fmt.id_chars and isinstance(given, str) and re.fullmatch(
+        rf"[A-Za-z0-9]{{{fmt.id_chars}}}", given) else None
     key = fmt.args if fmt.args in obj else "arguments"
     args = obj.get(key, {})
     if isinstance(args, str):  # arguments as JSON text
