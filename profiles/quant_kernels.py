@@ -93,7 +93,7 @@ def candidates(N: int, K: int, only_gemv: bool = False) -> dict[str, tuple[int, 
     ws = _placed([w.clone() for _ in range(n)])
     if not only_gemv:
         out["bf16 F.linear"] = (w.nbytes, lambda x, i: F.linear(x, ws[i % n]))
-    if cpu_kernel.bf16_dot() and cpu_kernel.available():
+    if cpu_kernel.bf16_rows() and cpu_kernel.available():
         out["bf16 gemv_bf16"] = (w.nbytes, lambda x, i: cpu_kernel.gemv_bf16(x.view(-1), ws[i % n]))
     if only_gemv:
         del w

@@ -44,4 +44,5 @@ def pytest_report_header(config: pytest.Config) -> str:
     from static_decode.kernels import cpu_kernel
 
     return (f"static-decode CPU kernels: {cpu_kernel.capability()} (AVX512-BF16 dot: {cpu_kernel.bf16_dot()}, "
-            f"AVX512-VNNI: {cpu_kernel.int8_dot()})")
+            f"AVX512-VNNI: {cpu_kernel.int8_dot()}, bfloat16 rows: {cpu_kernel.bf16_rows()}, "
+            f"int8 row codes: {cpu_kernel.int8_codes(8)})")

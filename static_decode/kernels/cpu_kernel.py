@@ -29,7 +29,8 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 _SOURCE_NAMES = ("decode_attention.cpp", "decode_attention_int8.cpp", "gemv_bf16.cpp", "gemv_quant.cpp",
-                 "linear_quant.cpp", "decode_layers.cpp", "decode_layers_checks.cpp", "sample_keys.cpp")
+                 "gemv_avx2.cpp", "linear_quant.cpp", "decode_layers.cpp", "decode_layers_checks.cpp",
+                 "sample_keys.cpp")
 SOURCES = [CSRC / name for name in _SOURCE_NAMES]
 # Hashed into the build flags: torch's builder tracks only the sources.
 HEADERS = [CSRC / name for name in ("kernels.h", "checks.h", "attention_avx512.h", "decode_common.h",
@@ -101,6 +102,26 @@ def int8_dot() -> bool:
 
 
 int8_dot._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def bf16_rows() -> bool:
+    """Whether the kernel multiplies bfloat16 weights (gemv_bf16 and the fused layers of a bfloat16 model): with
+    AVX512-BF16's dot product, or AVX2's widening in registers (csrc/gemv_avx2.cpp) where that is missing."""
+    return capability() in ("AVX512", "AVX2")
+
+
+bf16_rows._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def int8_codes(bits: int = 8) -> bool:
+    """Whether quantized weights of `bits` (8 or 4) multiply a bfloat16 row's int8 codes (`row_codes8`) rather than
+    the row: AVX512-VNNI's dot product (int4 with bfloat16 scales, where AVX512-BF16 is there too), or AVX2's byte
+    products (csrc/gemv_avx2.cpp) on a CPU without AVX512-VNNI."""
+    avx2 = capability() == "AVX2" or (capability() == "AVX512" and not int8_dot())
+    return avx2 or (int8_dot() and (bits == 8 or bf16_dot()))
+
+
+int8_codes._dynamo_marked_constant = True  # type: ignore[attr-defined]
 ROW_BLOCK8 = 32  # values per scale of a row's int8 codes (csrc/kernels.h, kRowBlock8)
 
 
@@ -325,11 +346,11 @@ def decode_attention_int8(
     return out.view(B, Hq, T, d)
 
 def gemv_ready(weight: torch.Tensor) -> bool:
-    """Whether `gemv_bf16` takes a product with this weight: bfloat16 and contiguous, on a CPU with AVX512-BF16,
-    the kernels built."""
+    """Whether `gemv_bf16` takes a product with this weight: bfloat16 and contiguous, on a CPU with AVX512-BF16 or
+    AVX2 (`bf16_rows`), the kernels built."""
     return (
         weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-        and weight.is_contiguous() and bf16_dot() and available()
+        and weight.is_contiguous() and bf16_rows() and available()
     )
 
 

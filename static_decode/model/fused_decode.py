@@ -21,7 +21,7 @@ from static_decode.model.blocks import Block
 from static_decode.model.llama import Llama
 from static_decode.model.quant import QuantWeight, Scheme
 
-DTYPES = (torch.float32, torch.bfloat16)  # model dtypes the kernel takes (bfloat16 where AVX512-BF16 is)
+DTYPES = (torch.float32, torch.bfloat16)  # model dtypes the kernel takes (bfloat16: cpu_kernel.bf16_rows)
 
 
 def unsupported(model: Llama, cache: StaticKVCache) -> str | None:
@@ -34,7 +34,7 @@ def unsupported(model: Llama, cache: StaticKVCache) -> str | None:
         (model.tp.enabled, "a tensor-parallel model (its all-reduces stay in the step graph)"),
         (cache.batch != 1, f"batch {cache.batch}: the kernel reads the weights once for one row"),
         (model.dtype not in DTYPES, f"model dtype {model.dtype}"),
-        (model.dtype == torch.bfloat16 and not cpu_kernel.bf16_dot(), "bfloat16 weights need AVX512-BF16"),
+        (model.dtype == torch.bfloat16 and not cpu_kernel.bf16_rows(), "bfloat16 weights need AVX512-BF16 or AVX2"),
         (c.qkv_bias or c.o_bias or c.mlp_bias, "projection biases"),
         (c.qk_norm, "q/k norms (Qwen3)"),
         (c.attn_softcap is not None, "softcapped attention scores (Gemma 2): the kernel's softmax takes no cap"),

@@ -1,7 +1,7 @@
 """The projections of a step (q/k/v/o, gate/up/down, the head), with the one-token decode formulation chosen per
 device and dtype here, in one place.
 
-A batch-1 decode step's products are GEMVs bound by reading the weights. One bf16 row on a CPU with AVX512-BF16
+A batch-1 decode step's products are GEMVs bound by reading the weights. One bf16 row on a CPU with AVX512-BF16 or AVX2
 takes our kernel (cpu_kernel.gemv_bf16; `qkv` and `glu` join a layer's products of one row into one call each);
 elsewhere a compiled one-row step in a 16-bit dtype on the CPU takes a multiply-and-row-sum that inductor streams;
 float32, CUDA and several rows keep `F.linear`. Each choice is where it measured faster:
@@ -86,7 +86,7 @@ def qkv(
     bk: torch.Tensor | None = None,
     bv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The three projections of one input (`linear` each); for one bfloat16 row on a CPU with AVX512-BF16, one
+    """The three projections of one input (`linear` each); for one bfloat16 row on a CPU with AVX512-BF16 or AVX2, one
     kernel call for all three (cpu_kernel.gemv_bf16_cat3: a dispatch and a fork of the threads instead of three;
     each value is exactly what `linear` gives it)."""
     if not _fusable(x, (wq, wk, wv), (bq, bk, bv)):
@@ -105,7 +105,7 @@ def glu(
     b_up: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SwiGLU's inner activation, silu(linear(x, gate)) * linear(x, up); for one bfloat16 row on a CPU with
-    AVX512-BF16, one kernel call (cpu_kernel.gemv_bf16_glu: both products and the silu, each product rounded to
+    AVX512-BF16 or AVX2, one kernel call (cpu_kernel.gemv_bf16_glu: both products and the silu, each product rounded to
     x's dtype first, as the separate calls round it)."""
     if not _fusable(x, (gate, up), (b_gate, b_up)):
         return _silu_mul(linear(x, gate, b_gate), linear(x, up, b_up), quantized=isinstance(gate, QuantWeight))
@@ -123,7 +123,7 @@ def joined(
 
 def glu_joined(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for gate and up stacked in `weight` [2 * inner, K] (joined at load): one
-    product; for one bfloat16 row on a CPU with AVX512-BF16, `glu`'s kernel over the two row blocks (views)."""
+    product; for one bfloat16 row on a CPU with AVX512-BF16 or AVX2, `glu`'s kernel over the two row blocks (views)."""
     inner = weight.shape[0] // 2
     if _fusable(x, (weight,), (bias,)):
         gate, up = weight.split(inner)  # [inner, K] each: contiguous row blocks

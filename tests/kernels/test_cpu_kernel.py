@@ -176,10 +176,10 @@ def test_unsupported_shapes_are_refused_by_name() -> None:
 
 
 # ---- the bfloat16 one-row product (csrc/gemv_bf16.cpp) ---------------------------------------------------------
-needs_bf16_dot = pytest.mark.skipif(not cpu_kernel.bf16_dot(), reason="this CPU has no AVX512-BF16")
+needs_bf16_rows = pytest.mark.skipif(not cpu_kernel.bf16_rows(), reason="this CPU has neither AVX512-BF16 nor AVX2")
 
 
-@needs_bf16_dot
+@needs_bf16_rows
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 77), (8, 576), (9, 1536), (1001, 64), (4099, 576)])
 def test_gemv_matches_float64_on_bfloat16_values(n: int, k: int) -> None:
     """Every row, any K (a tail past a multiple of 32 read masked), N not a multiple of the 8-row step: float32
@@ -197,7 +197,7 @@ def test_gemv_matches_float64_on_bfloat16_values(n: int, k: int) -> None:
     torch.testing.assert_close(out16, want.bfloat16(), atol=0, rtol=2 ** -7)
 
 
-@needs_bf16_dot
+@needs_bf16_rows
 def test_projection_routes_one_bfloat16_row_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     from static_decode.model import projection
 
@@ -215,7 +215,7 @@ def test_projection_routes_one_bfloat16_row_to_the_kernel(monkeypatch: pytest.Mo
     assert calls == [(40, 64)]
 
 
-@needs_bf16_dot
+@needs_bf16_rows
 def test_gemv_compiles_without_a_graph_break() -> None:
     from static_decode.model import projection
 
@@ -225,7 +225,7 @@ def test_gemv_compiles_without_a_graph_break() -> None:
     torch.testing.assert_close(fn(x, w), projection.linear(torch.relu(x), w) * 2, atol=0, rtol=0)
 
 
-@needs_bf16_dot
+@needs_bf16_rows
 def test_gemv_refuses_a_float32_weight_by_name() -> None:
     with pytest.raises(RuntimeError, match="gemv_bf16: .*bfloat16.*Float"):
         torch.ops.static_decode_cpu.gemv_bf16(torch.zeros(8), torch.zeros(4, 8))
@@ -244,7 +244,7 @@ def test_a_cpu_generator_builds_the_kernels_before_any_timed_step(monkeypatch: p
 
 
 # ---- fused calls: q/k/v in one, SwiGLU's gate/up/silu in one ------------------------------------------------------
-@needs_bf16_dot
+@needs_bf16_rows
 @pytest.mark.parametrize(("k", "ns"), [(576, (576, 192, 192)), (77, (5, 8, 17)), (64, (1, 1, 1)), (96, (130, 9, 64))])
 def test_cat3_is_the_three_products_concatenated(k: int, ns: tuple[int, int, int]) -> None:
     """Row blocks of three matrices in one parallel range (a block never spans two): every value exactly what
@@ -259,7 +259,7 @@ def test_cat3_is_the_three_products_concatenated(k: int, ns: tuple[int, int, int
         torch.testing.assert_close(got.double(), want, atol=1e-5 * want.abs().max().item(), rtol=2 ** -7)
 
 
-@needs_bf16_dot
+@needs_bf16_rows
 @pytest.mark.parametrize(("n", "k"), [(1536, 576), (17, 77), (1, 32), (40, 64)])
 def test_glu_is_silu_of_the_rounded_gate_times_the_rounded_up(n: int, k: int) -> None:
     """Each product rounded to the row's dtype first (what two gemv_bf16 calls give), then silu(g) * u in float64
@@ -276,7 +276,7 @@ def test_glu_is_silu_of_the_rounded_gate_times_the_rounded_up(n: int, k: int) ->
         torch.testing.assert_close(got, want, atol=1e-30, rtol=eps)
 
 
-@needs_bf16_dot
+@needs_bf16_rows
 def test_model_routes_a_decode_row_to_the_fused_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bfloat16 one-token step: one q/k/v call and one gate/up call per layer, and its logits match those of the
     same step with every projection apart (each through gemv_bf16) to bfloat16 rounding: eager F.silu rounds its
@@ -306,7 +306,7 @@ def test_model_routes_a_decode_row_to_the_fused_calls(monkeypatch: pytest.Monkey
     assert not torch.equal(fused, torch.zeros_like(fused))
 
 
-@needs_bf16_dot
+@needs_bf16_rows
 def test_fused_calls_compile_without_a_graph_break() -> None:
     """Traced through their Meta kernels (fullgraph) and run by the compiled code: the same values as eager (the
     ops' outputs returned as they are, so no fused arithmetic after them rounds differently)."""

@@ -187,7 +187,7 @@ def cases() -> dict:
     out["attention: head_dim 0"] = ((call, tensors, saved), r"head_dim 0 is not supported")
     call, tensors, saved = attention_call([3, 3], [1, 1], d=96, slots=30)
     out["attention: 90 rows a KV head"] = ((call, tensors, saved), r"90 query rows for slots 30")
-    if cpu_kernel.bf16_dot():
+    if cpu_kernel.bf16_rows():
         w = torch.randn(6, 8).bfloat16()
         out["gemv: x [2, 4] for K 8"] = (((lambda: OPS.gemv_bf16(torch.randn(2, 4), w)), (w,), (w.clone(),)),
                                           r"x \[2, 4\] is not one row of the 8 values")

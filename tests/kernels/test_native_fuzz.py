@@ -43,7 +43,7 @@ def test_any_call_computes_the_reference_or_is_refused_without_a_trace(tmp_path:
     ran = {op: int(counts[op].split()[0]) for op in ops}
     refused = {op: int(counts[op].split()[2]) for op in ops}
     assert all(refused.values()), counts  # every op met bad calls
-    # and good ones, compared with the reference (the gemv ops refuse everything without AVX512-BF16)
+    # and good ones, compared with the reference (the gemv ops refuse everything without AVX512-BF16 or AVX2)
     assert all(ran[op] > 10 for op in ("decode_attention", "decode_layers", "decode_layers_q", "gemv_q", "linear_q",
                                        "top_k_key", "top_p_key")), counts
-    assert not cpu_kernel.bf16_dot() or all(ran[op] for op in ops[2:5]), counts
+    assert not cpu_kernel.bf16_rows() or all(ran[op] for op in ops[2:5]), counts

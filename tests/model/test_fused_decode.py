@@ -26,7 +26,7 @@ from static_decode.model.fused_decode import FusedLayers, unsupported
 from static_decode.steps.functions import GREEDY_KINDS
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernels did not build here")
-needs_bf16_dot = pytest.mark.skipif(not cpu_kernel.bf16_dot(), reason="this CPU has no AVX512-BF16")
+needs_bf16_rows = pytest.mark.skipif(not cpu_kernel.bf16_rows(), reason="this CPU has neither AVX512-BF16 nor AVX2")
 
 CFG = LlamaConfig(vocab_size=300, hidden_size=192, intermediate_size=400, num_layers=3, num_heads=6, num_kv_heads=2,
                   head_dim=32)
@@ -77,7 +77,7 @@ def cache_pair(model: Llama, cached: int):
 CASES = [(37, 1, 48), (37, 1, 37 + 1), (600, 1, 1024), (37, 0, 48), (0, 1, 16)]  # (cached, n_new, read_len)
 
 
-@needs_bf16_dot
+@needs_bf16_rows
 @pytest.mark.parametrize("kv_dtype", [None, torch.float32])
 @pytest.mark.parametrize(("cached", "n_new", "read_len"), CASES)
 def test_bfloat16_layers_are_eager_bit_for_bit(kv_dtype, cached, n_new, read_len) -> None:
@@ -117,7 +117,7 @@ def _held(cache) -> tuple[torch.Tensor, torch.Tensor]:
     return kv_quant.dequantize(cache.k, cache.k_scale), kv_quant.dequantize(cache.v, cache.v_scale)
 
 
-@needs_bf16_dot
+@needs_bf16_rows
 @pytest.mark.parametrize(("cached", "n_new", "read_len"), CASES)
 def test_bfloat16_layers_over_an_int8_cache_are_eager_bit_for_bit(cached, n_new, read_len) -> None:
     """The kernel quantizes the new row as core/kv_quant does (codes and scales exactly eager's) and reads the codes

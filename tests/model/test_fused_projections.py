@@ -52,7 +52,8 @@ def test_logits_equal_unfused(cfg):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not cpu_kernel.gemv_ready(torch.zeros(8, 8, dtype=torch.bfloat16)), reason="AVX512-BF16")
+@pytest.mark.skipif(not cpu_kernel.gemv_ready(torch.zeros(8, 8, dtype=torch.bfloat16)),
+                    reason="no bfloat16 GEMV kernel here")
 def test_bfloat16_decode_row_bit_identical():
     # One row, bfloat16: both layouts run our GEMV kernel (one call over the joined weight, or the three-weight
     # call): every output element is one weight row's dot product, accumulated the same way.

@@ -32,7 +32,7 @@ SCHEMES = ["int8", "int4-g32", "int4-g64", "int4-g128"]
 
 
 def _dtypes() -> list[torch.dtype]:
-    return [torch.float32, torch.bfloat16] if cpu_kernel.bf16_dot() else [torch.float32]
+    return [torch.float32, torch.bfloat16] if cpu_kernel.bf16_rows() else [torch.float32]
 
 
 @pytest.mark.parametrize("dtype", _dtypes())
@@ -51,7 +51,7 @@ def test_gemv_q_matches_float64_by_the_dequantized_weight(scheme, dtype, N, K):
     qw = QuantWeight((torch.randn(N, K) * torch.linspace(0.1, 2, K)).to(dtype), s)
     x = torch.randn(K).to(dtype)
     w = qw.dequantize(torch.float64)  # [N, K]
-    xr = row_as_multiplied(x)  # [K] float64
+    xr = row_as_multiplied(x, s.bits)  # [K] float64
     want = w @ xr  # [N]
     got = torch.ops.static_decode_cpu.gemv_q(x, qw.qweight, qw.scales, s.group)
     assert got.shape == (N,) and got.dtype == dtype
@@ -102,10 +102,11 @@ def _cpu_vendor() -> str:
         return next((line for line in f if line.startswith("vendor_id")), "")
 
 
-def row_as_multiplied(x: torch.Tensor) -> torch.Tensor:
-    """The row as the quantized products multiply it (float64): a bfloat16 row's int8 codes on a CPU with the int8
-    dot product (both weight forms' scales are bfloat16 in a bfloat16 model), else the row itself."""
-    if x.dtype == torch.bfloat16 and cpu_kernel.int8_dot():
+def row_as_multiplied(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The row as quantized weights of `bits` multiply it (float64): a bfloat16 row's int8 codes where the kernel
+    multiplies codes (cpu_kernel.int8_codes; both weight forms' scales are bfloat16 in a bfloat16 model), else the row
+    itself."""
+    if x.dtype == torch.bfloat16 and cpu_kernel.int8_codes(bits):
         return row_codes(x)
     return x.double()
 
@@ -129,12 +130,13 @@ def test_row_codes8_states_the_blocks():
     assert torch.equal(r[32:], bad[32:].double()) and torch.equal(r, row_codes(bad))
 
 
-@pytest.mark.skipif(not cpu_kernel.int8_dot(), reason="this CPU has no AVX512-VNNI")
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_a_bfloat16_row_is_multiplied_as_int8_codes(scheme):
-    """On the int8 dot-product path the product is the weight times the row's codes, not the row: it matches the
-    codes' product closely, and differs from the plain row's by more than its own error."""
+    """On the int8 dot-product paths (AVX512-VNNI's, AVX2's) the product is the weight times the row's codes, not
+    the row: it matches the codes' product closely, and differs from the plain row's by more than its own error."""
     s = quant.parse(scheme)
+    if not cpu_kernel.int8_codes(s.bits):
+        pytest.skip(f"{cpu_kernel.capability()}: {scheme} weights multiply the row itself here")
     torch.manual_seed(11)
     qw = QuantWeight(torch.randn(64, 1536).bfloat16(), s)
     x = torch.randn(1536) * 0.05

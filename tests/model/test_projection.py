@@ -34,11 +34,12 @@ def test_it_streams_only_one_compiled_16_bit_cpu_row():
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 1, 96), (1, 96)])
 def test_compiled_stream_equals_a_float32_reference(shape, bias, kernel, monkeypatch):
-    """The streamed form (kernel=False: as on a CPU without AVX512-BF16) and the bfloat16 GEMV kernel where it runs."""
+    """The streamed form (kernel=False: as on a CPU without AVX512-BF16 or AVX2) and the bfloat16 GEMV kernel where
+    it runs."""
     from static_decode.kernels import cpu_kernel
 
-    if kernel and not (cpu_kernel.bf16_dot() and cpu_kernel.available()):
-        pytest.skip("no AVX512-BF16 kernel here")
+    if kernel and not (cpu_kernel.bf16_rows() and cpu_kernel.available()):
+        pytest.skip("no bfloat16 GEMV kernel here (AVX512-BF16 or AVX2)")
     if not kernel:
         monkeypatch.setattr(cpu_kernel, "gemv_ready", lambda weight: False)
     torch._dynamo.reset()
@@ -59,7 +60,7 @@ def test_a_head_sized_product_reads_its_row_from_one_buffer(monkeypatch):
     """Past MATERIALIZE_ROWS weight rows (the head) the row is a buffer of its own: the product still equals the
     reference with a norm fused in front of it, and the generated code computes the norm once, before the loop over
     the weight rows (without the buffer inductor inlines it and recomputes the rsqrt once per row). The streamed
-    form as it runs without our bfloat16 GEMV kernel (a CPU without AVX512-BF16; float16 weights)."""
+    form as it runs without our bfloat16 GEMV kernel (a CPU without AVX512-BF16 or AVX2; float16 weights)."""
     import torch._inductor.config as inductor_config
 
     from static_decode.kernels import cpu_kernel

@@ -20,7 +20,7 @@ from static_decode.model.llama import Llama
 from tests.model.test_fused_decode import CFG, cache_pair, random_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernels did not build here")
-needs_bf16_dot = pytest.mark.skipif(not cpu_kernel.bf16_dot(), reason="this CPU has no AVX512-BF16")
+needs_bf16_rows = pytest.mark.skipif(not cpu_kernel.bf16_rows(), reason="this CPU has neither AVX512-BF16 nor AVX2")
 
 W = 40
 MIXED = dataclasses.replace(CFG, sliding_window=W, sliding_layers=(True, False, True))  # windowed, full, windowed
@@ -65,7 +65,7 @@ def test_float32_windowed_layers_match_an_independent_eager_step(cached, n_new, 
     assert torch.isfinite(got).all()
 
 
-@needs_bf16_dot
+@needs_bf16_rows
 @pytest.mark.parametrize(("cached", "n_new", "read_len"), CASES)
 def test_bfloat16_windowed_layers_are_eager_bit_for_bit(cached, n_new, read_len) -> None:
     model = random_model(torch.bfloat16, cfg=MIXED)

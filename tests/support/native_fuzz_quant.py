@@ -106,11 +106,12 @@ def reads_x_as_bf16(group: int, scale_dtype: torch.dtype) -> bool:
 
 
 def multiplies_codes(x: torch.Tensor, group: int, scale_dtype: torch.dtype) -> bool:
-    """Whether the kernel multiplies the row's int8 codes (cpu_kernel.row_codes8): a bfloat16 row on a CPU with the
-    int8 dot product, times int8 weights, or int4 weights with bfloat16 scales (csrc/gemv_quant.cpp, int8_dot_path)."""
-    if x.dtype != torch.bfloat16 or not cpu_kernel.int8_dot():
+    """Whether the kernel multiplies the row's int8 codes (cpu_kernel.row_codes8): a bfloat16 row where the kernel
+    multiplies codes (cpu_kernel.int8_codes), times int8 weights, or int4 weights with bfloat16 scales
+    (csrc/gemv_quant.cpp, int8_dot_path)."""
+    if x.dtype != torch.bfloat16:
         return False
-    return group == 0 or (scale_dtype == torch.bfloat16 and cpu_kernel.bf16_dot())
+    return cpu_kernel.int8_codes(8) if group == 0 else scale_dtype == torch.bfloat16 and cpu_kernel.int8_codes(4)
 
 
 def breaks(draw: Callable[[st.SearchStrategy[Any]], Any], options: list[str]) -> set[str]:

@@ -150,7 +150,7 @@ def layers_q_valid(c: dict, model: Llama, x: torch.Tensor, cos: torch.Tensor, we
     L, D, d, inner = cfg.num_layers, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     Nq, Nkv = cfg.num_heads * d, cfg.num_kv_heads * d
     dtype = x.dtype
-    model_ok = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_kernel.bf16_dot())
+    model_ok = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_kernel.bf16_rows())
     shapes = [(D,), (Nq, D), (Nkv, D), (Nkv, D), (D, Nq), (D,), (inner, D), (inner, D), (D, inner)]
     counts_ok = len(weights) == 9 * L and len(scales) == 7 * L
     weights_ok = counts_ok and all(

@@ -214,7 +214,7 @@ def layers_case(draw):
 
 def layers_valid(c: dict) -> bool:
     d, max_len, n, kv = c["d"], c["max_len"], c["n"], c["kv_dtype"] or c["dtype"]
-    model_ok = c["dtype"] == torch.float32 or (c["dtype"] == torch.bfloat16 and cpu_kernel.bf16_dot())
+    model_ok = c["dtype"] == torch.float32 or (c["dtype"] == torch.bfloat16 and cpu_kernel.bf16_rows())
     lens_after = c["lens"] + n + c["after_delta"]
     return (
         model_ok and kv in KERNEL_FLOATS and c["L"] >= 1 and c["Hkv"] >= 1 and 1 <= c["G"] <= 64
@@ -289,7 +289,7 @@ def gemv_case(draw):
 def gemv_valid(c: dict, x: torch.Tensor, ws: list[torch.Tensor]) -> bool:
     K = ws[0].shape[1]
     return (
-        cpu_kernel.bf16_dot() and c["x_dtype"] in (*KERNEL_FLOATS, torch.float64)
+        cpu_kernel.bf16_rows() and c["x_dtype"] in (*KERNEL_FLOATS, torch.float64)
         and all(w.dtype == torch.bfloat16 and w.is_contiguous() and w.shape[1] == K for w in ws)
         and x.dim() >= 1 and x.shape[-1] == K and x.numel() == K
         and (c["op"] != "gemv_bf16_glu" or ws[0].shape[0] == ws[1].shape[0])

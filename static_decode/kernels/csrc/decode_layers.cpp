@@ -129,11 +129,11 @@ void products(const S* x, int64_t K, std::initializer_list<Product> mats, static
       } else if constexpr (std::is_same_v<S, float>) {
         f32_rows(static_cast<const float*>(p.w), x, K, n0, n1, p.y);
       } else {
-#if defined(__AVX512BF16__)
+#if STATIC_DECODE_BF16_ROWS
         static_decode_kernels::bf16_rows(static_cast<const uint16_t*>(p.w), reinterpret_cast<const uint16_t*>(x),
                                          K, n0, n1, p.y);
 #else
-        TORCH_CHECK(false, "decode_layers: bfloat16 weights need AVX512-BF16");
+        TORCH_CHECK(false, "decode_layers: bfloat16 weights need AVX512-BF16 or AVX2");
 #endif
       }
     }
@@ -398,7 +398,7 @@ at::Tensor run_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   switch (x.scalar_type()) {
     case at::kFloat:
       return layers<float>(x, cos, sin, cache, lens, n_new, lens_after, read_len, weights, quant, eps, windows);
-#if defined(__AVX512BF16__)
+#if STATIC_DECODE_BF16_ROWS
     case at::kBFloat16:
       return layers<at::BFloat16>(x, cos, sin, cache, lens, n_new, lens_after, read_len, weights, quant, eps,
                                   windows);

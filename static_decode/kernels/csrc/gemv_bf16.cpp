@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -112,6 +113,21 @@ void rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n
   if (amd) return rows_linear<2, O>(W, x, K, n0, n1, y, 16384);
   rows8<O>(W, x, K, n0, n1, y);
 }
+#elif STATIC_DECODE_AVX2
+// AVX2's loop (gemv_avx2.cpp) sums in float32; other outputs take its sums 64 rows at a time, each rounded once.
+template <typename O>
+void rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1, O* y) {
+  if constexpr (std::is_same_v<O, float>) {
+    static_decode_kernels::avx2::bf16_rows(W, x, K, n0, n1, y);
+  } else {
+    float t[64];
+    for (int64_t n = n0; n < n1; n += 64) {
+      const int64_t e = std::min<int64_t>(n1, n + 64);
+      static_decode_kernels::avx2::bf16_rows(W + n * K, x, K, 0, e - n, t);
+      for (int64_t i = 0; i < e - n; ++i) y[n + i] = static_cast<O>(t[i]);
+    }
+  }
+}
 #endif
 
 // The checks every entry point makes: weights contiguous bfloat16 [N, K] on the CPU, all with the first one's K; x
@@ -135,7 +151,7 @@ at::Tensor bf16_row(const at::Tensor& x, std::initializer_list<const at::Tensor*
 }
 
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight) {
-#if defined(__AVX512BF16__)
+#if STATIC_DECODE_BF16_ROWS
   const auto xb = bf16_row(x, {&weight}, "gemv_bf16");
   const int64_t N = weight.size(0), K = xb.numel();
   // Written in x's dtype by the kernel: a separate `.to()` was an allocation and a pass per call, ~0.7 ms of a
@@ -151,7 +167,7 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight) {
   });
   return y;
 #else
-  TORCH_CHECK(false, "gemv_bf16: built without AVX512-BF16 (this CPU or compiler lacks it)");
+  TORCH_CHECK(false, "gemv_bf16: built without AVX512-BF16 or AVX2 (this CPU or compiler lacks both)");
 #endif
 }
 
@@ -165,7 +181,7 @@ at::Tensor gemv_bf16_meta(const at::Tensor& x, const at::Tensor& weight) {
 // dispatch, an allocation and a fork/join of the threads (~2 us on this 2-vCPU machine, measured with a GEMV of
 // 64 KB): one region over all three matrices' row blocks instead of three.
 at::Tensor gemv_bf16_cat3(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& w1, const at::Tensor& w2) {
-#if defined(__AVX512BF16__)
+#if STATIC_DECODE_BF16_ROWS
   const auto xb = bf16_row(x, {&w0, &w1, &w2}, "gemv_bf16_cat3");
   const int64_t K = xb.numel();
   const at::Tensor* ws[3] = {&w0, &w1, &w2};
@@ -191,7 +207,7 @@ at::Tensor gemv_bf16_cat3(const at::Tensor& x, const at::Tensor& w0, const at::T
   });
   return y;
 #else
-  TORCH_CHECK(false, "gemv_bf16_cat3: built without AVX512-BF16 (this CPU or compiler lacks it)");
+  TORCH_CHECK(false, "gemv_bf16_cat3: built without AVX512-BF16 or AVX2 (this CPU or compiler lacks both)");
 #endif
 }
 
@@ -206,7 +222,7 @@ at::Tensor gemv_bf16_cat3_meta(const at::Tensor& x, const at::Tensor& w0, const 
 constexpr int64_t kGlu = 16;  // rows per step: one float vector of gate and of up values
 
 at::Tensor gemv_bf16_glu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up) {
-#if defined(__AVX512BF16__)
+#if STATIC_DECODE_BF16_ROWS
   const auto xb = bf16_row(x, {&gate, &up}, "gemv_bf16_glu");
   TORCH_CHECK(gate.size(0) == up.size(0), "gemv_bf16_glu: gate has ", gate.size(0), " rows, up ", up.size(0));
   const int64_t N = gate.size(0), K = xb.numel();
@@ -239,7 +255,7 @@ at::Tensor gemv_bf16_glu(const at::Tensor& x, const at::Tensor& gate, const at::
   });
   return y;
 #else
-  TORCH_CHECK(false, "gemv_bf16_glu: built without AVX512-BF16 (this CPU or compiler lacks it)");
+  TORCH_CHECK(false, "gemv_bf16_glu: built without AVX512-BF16 or AVX2 (this CPU or compiler lacks both)");
 #endif
 }
 
@@ -249,7 +265,7 @@ at::Tensor gemv_bf16_glu_meta(const at::Tensor& x, const at::Tensor& gate, const
 
 }  // namespace
 
-#if defined(__AVX512BF16__)
+#if STATIC_DECODE_BF16_ROWS
 void static_decode_kernels::bf16_rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1,
                                       float* y) {
   rows<float>(W, x, K, n0, n1, y);

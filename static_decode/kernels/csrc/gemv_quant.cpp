@@ -554,8 +554,8 @@ void static_decode_kernels::prepare_row(const float* x, int64_t K, int64_t group
 }
 
 void static_decode_kernels::prepare_row_size(int64_t K, int64_t group, QuantRow& row, bool int8) {
-#if !defined(__AVX512VNNI__)
-  TORCH_CHECK(!int8, "prepare_row: int8 row codes need AVX512-VNNI");
+#if !defined(__AVX512VNNI__) && !STATIC_DECODE_AVX2
+  TORCH_CHECK(!int8, "prepare_row: int8 row codes need AVX512-VNNI or AVX2");
 #endif
   row.K = K;
   row.f.resize(K);
@@ -569,8 +569,11 @@ void static_decode_kernels::prepare_row_size(int64_t K, int64_t group, QuantRow&
   row.a8 = nullptr;
   row.a4blk = nullptr;
   row.a4pair = nullptr;
+  row.ablk = nullptr;
 #if defined(__AVX512VNNI__)
   if (int8) quantize_row8_size(K, group, row);
+#elif STATIC_DECODE_AVX2
+  if (int8) avx2::row_size(K, group, row);
 #endif
 }
 
@@ -592,6 +595,9 @@ void static_decode_kernels::prepare_row_part(const float* x, int64_t k0, int64_t
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(rb + k), _mm512_cvtepi32_epi16(r));
     _mm512_storeu_ps(rf + k, bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)) : v);
   }
+#elif STATIC_DECODE_AVX2
+  avx2::round_bf16(x, k0, k1, bf16, row);
+  k = k1;
 #endif
   for (; k < k1; ++k) {
     const c10::BFloat16 r(x[k]);
@@ -607,6 +613,8 @@ void static_decode_kernels::prepare_row_part(const float* x, int64_t k0, int64_t
   }
 #if defined(__AVX512VNNI__)
   if (int8) quantize_row8_part(row.xf, k0, k1, group, row);
+#elif STATIC_DECODE_AVX2
+  if (int8) avx2::quantize_row(row.xf, k0, k1, group, row);
 #endif
 }
 
@@ -626,6 +634,8 @@ bool static_decode_kernels::int8_dot_path(const QuantMat& m) {
 #else
   return false;
 #endif
+#elif STATIC_DECODE_AVX2
+  return m.bf16_row && (m.bits == 8 || m.bf16_scales);  // avx2::int8_rows, avx2::int4_rows
 #else
   return false;
 #endif
@@ -642,6 +652,8 @@ bool static_decode_kernels::int4_bf16_path(const QuantMat& m) {
 void static_decode_kernels::quant_rows(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y) {
 #if defined(__AVX512VNNI__)
   if (m.bits == 8 && x.a8 != nullptr) return int8_rows_vnni(m, x, n0, n1, y);
+#elif STATIC_DECODE_AVX2
+  if (x.a8 != nullptr) return m.bits == 8 ? avx2::int8_rows(m, x, n0, n1, y) : avx2::int4_rows(m, x, n0, n1, y);
 #endif
   if (m.bits == 8) return int8_rows(m, x.xf, x.K, n0, n1, y);
 #if defined(__AVX512BF16__)

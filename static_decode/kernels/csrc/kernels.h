@@ -43,9 +43,19 @@ at::Tensor decode_attention_int8(const at::Tensor& q, const at::Tensor& k, const
                                  const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& lens,
                                  const at::Tensor& n_new, int64_t slots, double scale, int64_t window);
 
-#if defined(__AVX512BF16__)
+// Which inner loops this build has for the one-row products: AVX512-BF16's dot product (gemv_bf16.cpp), AVX512-VNNI's
+// (gemv_quant.cpp), or AVX2's widening and byte products (gemv_avx2.cpp) where neither is there.
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512VNNI__))
+#define STATIC_DECODE_AVX2 1
+#else
+#define STATIC_DECODE_AVX2 0
+#endif
+#if defined(__AVX512BF16__) || STATIC_DECODE_AVX2
+#define STATIC_DECODE_BF16_ROWS 1
 // gemv_bf16.cpp: rows [n0, n1) of bfloat16 W [N, K] times the bfloat16 row x [K], float32 sums into y[n0..n1).
 void bf16_rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1, float* y);
+#else
+#define STATIC_DECODE_BF16_ROWS 0
 #endif
 
 // gemv_quant.cpp: whether the one-row products take the rows per step and prefetch measured fastest on AMD's cores
@@ -78,7 +88,8 @@ struct QuantRow {  // the row x [K] as the products read it: prepare_row
   // low (then the high) nibbles of 64 packed bytes: the columns 128p + [0, 32) and + [64, 96), then + [32, 64) and
   // + [96, 128)
   const int8_t* a4pair = nullptr;
-  std::vector<float> f, sums, d8, d4, grp8, blk4;
+  const float* ablk = nullptr;   // AVX2 (gemv_avx2.cpp): each block's d, one float a block of kRowBlock8 codes
+  std::vector<float> f, sums, d8, d4, grp8, blk4, blkd;
   std::vector<uint16_t> b;
   std::vector<int8_t> q8, q4;
   std::vector<int32_t> fix8;
@@ -107,5 +118,21 @@ QuantMat quant_mat(const at::Tensor& q, const at::Tensor& s, int64_t group, cons
 // Rows [n0, n1) of m's weight [N, K] at `out` (rows n0.. from its start) in `dtype` (float32 or bfloat16): each value
 // computed in float32 and rounded once, the weight the several-row products multiply by (dequant_q's values).
 void dequant_rows_into(const QuantMat& m, int64_t K, int64_t n0, int64_t n1, at::ScalarType dtype, void* out);
+
+#if STATIC_DECODE_AVX2
+// gemv_avx2.cpp: the AVX2 loops, which the files above call where their own ISA's are missing.
+namespace avx2 {
+void bf16_rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1, float* y);
+// Quantized rows [n0, n1) times the row's int8 codes (a8, ablk; int4: a8grp too) into y (scales applied).
+void int8_rows(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y);
+void int4_rows(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y);
+// The row's int8 codes: row_size sizes them (zeroed) and points the row at them; quantize_row fills the blocks of
+// values [k0, k1) (prepare_row_part's parts).
+void row_size(int64_t K, int64_t group, QuantRow& row);
+void quantize_row(const float* x, int64_t k0, int64_t k1, int64_t group, QuantRow& row);
+// The row rounded to bfloat16 (row.b; row.f: the rounded values where `bf16`, else x's), values [k0, k1).
+void round_bf16(const float* x, int64_t k0, int64_t k1, bool bf16, QuantRow& row);
+}  // namespace avx2
+#endif
 
 }  // namespace static_decode_kernels
