@@ -26,9 +26,14 @@ namespace static_decode_kernels::avx2 {
 namespace {
 
 // Rows per step and prefetch distance: a block of R rows is one contiguous run of bytes read as R streams; each step
-// prefetches the lines it consumes kAhead bytes further on (as the AVX-512 loops do: short rows leave the hardware
-// prefetcher too little of each stream to learn).
-constexpr int kRowsBf16 = 4;
+// prefetches the lines it consumes a fixed distance further on (as the AVX-512 loops do: short rows leave the hardware
+// prefetcher too little of each stream to learn). Measured on SmolLM2's shapes with the AVX2 build on a Zen 4
+// (profiles/RESULTS.md, "AVX2 kernels"): bfloat16 2 rows of 32 columns a step, 16 KB ahead (4 rows of 16: 12% slower
+// on two threads; no prefetch: 40%); the quantized loops 4 rows, 8 KB ahead (2 or 3 rows, 4 or 16 KB: within the
+// noise).
+constexpr int kRowsBf16 = 2;
+constexpr int kStepsBf16 = 2;  // 16-column vectors a row per step
+constexpr int64_t kAheadBf16 = 16384;
 constexpr int kRowsQ = 4;
 constexpr int64_t kAhead = 8192;
 constexpr int64_t B8 = kRowBlock8;  // 32 codes a block: one 256-bit vector
@@ -68,32 +73,40 @@ inline void prefetch_step(const char* at, int64_t bytes) {
 }
 
 // ---- bfloat16 -----------------------------------------------------------------------------------------------------
-template <int R>
-void bf16_block(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n, int64_t n1, float* y) {
-  const int64_t body = K / 16 * 16;
+// Rows [n, n1) R at a time, U vectors of 16 columns per row and step, each vector into an even and an odd accumulator.
+template <int R, int U>
+void bf16_block(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n, int64_t n1, float* y, int64_t ahead_b) {
+  constexpr int64_t S = 16 * U;  // columns a step
+  const int64_t body = K / S * S;
   const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (; n + R <= n1; n += R) {
     const uint16_t* w = W + n * K;
-    const char* ahead = reinterpret_cast<const char*>(w) + kAhead;
-    __m256 ae[R], ao[R];
-    for (int r = 0; r < R; ++r) ae[r] = ao[r] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < body; k += 16) {
-      prefetch_step(ahead + k * 2 * R, 32 * R);
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k));
-      const __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(xv, 16)), xo = _mm256_castsi256_ps(_mm256_and_si256(xv, odd));
-      for (int r = 0; r < R; ++r) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + k));
-        ae[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wv, 16)), xe, ae[r]);
-        ao[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(wv, odd)), xo, ao[r]);
+    const char* ahead = reinterpret_cast<const char*>(w) + ahead_b;
+    __m256 ae[R][U], ao[R][U];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u) ae[r][u] = ao[r][u] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < body; k += S) {
+      prefetch_step(ahead + k * 2 * R, 2 * S * R);
+      for (int u = 0; u < U; ++u) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k + 16 * u));
+        const __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(xv, 16));
+        const __m256 xo = _mm256_castsi256_ps(_mm256_and_si256(xv, odd));
+        for (int r = 0; r < R; ++r) {
+          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + k + 16 * u));
+          ae[r][u] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wv, 16)), xe, ae[r][u]);
+          ao[r][u] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(wv, odd)), xo, ao[r][u]);
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
-      float s = hsum(_mm256_add_ps(ae[r], ao[r]));
+      __m256 a = _mm256_add_ps(ae[r][0], ao[r][0]);
+      for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, _mm256_add_ps(ae[r][u], ao[r][u]));
+      float s = hsum(a);
       for (int64_t k = body; k < K; ++k) s += bf16_to_float(w[r * K + k]) * bf16_to_float(x[k]);
       y[n + r] = s;
     }
   }
-  if constexpr (R > 1) bf16_block<1>(W, x, K, n, n1, y);
+  if constexpr (R > 1) bf16_block<1, U>(W, x, K, n, n1, y, ahead_b);
 }
 
 // ---- int8 and int4 times the row's codes --------------------------------------------------------------------------
@@ -210,7 +223,7 @@ void int4_rows_g(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, f
 }  // namespace
 
 void bf16_rows(const uint16_t* W, const uint16_t* x, int64_t K, int64_t n0, int64_t n1, float* y) {
-  bf16_block<kRowsBf16>(W, x, K, n0, n1, y);
+  bf16_block<kRowsBf16, kStepsBf16>(W, x, K, n0, n1, y, kAheadBf16);
 }
 
 void int8_rows(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y) {
