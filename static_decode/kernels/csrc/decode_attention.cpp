@@ -11,6 +11,8 @@
 // On AVX-512 (attention_avx512.h) the scores of 16 keys are reduced together (sum16), bfloat16 queries over a
 // bfloat16 cache are scored by AVX512-BF16 dot products straight from the cache's rows, and V's rows are widened in
 // registers and accumulated for a group of query rows at once (profiles/RESULTS.md, "Decode attention kernel").
+// On AVX2 (attention_avx2.h) the scores of 8 keys are reduced together (sum8) and K's and V's rows are widened in
+// registers from the cache's own memory (profiles/RESULTS.md, "AVX2 kernels").
 //
 // Masking (rule 3): row m = g*T + t is slot t of its row; it sees keys 0..lens[b] - n_new[b] + t, a prefix, and none
 // when t >= n_new[b] (a padded slot returns exact zeros). Keys past the longest visible prefix are never read.
@@ -20,6 +22,7 @@
 // masked after scoring. Off, the band's start is 0 and nothing else changes.
 #include <torch/library.h>
 
+#include "attention_avx2.h"
 #include "attention_avx512.h"
 #include "decode_common.h"
 #include "checks.h"
@@ -51,8 +54,8 @@ using static_decode_kernels::attention::kNegInf;
 using static_decode_kernels::attention::lane_max;
 using static_decode_kernels::attention::lane_sum;
 using static_decode_kernels::attention::Vec;
-#if defined(CPU_CAPABILITY_AVX512)
-using namespace static_decode_kernels::attention;  // the AVX-512 score and value-row paths
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+using namespace static_decode_kernels::attention;  // the AVX-512 / AVX2 score and value-row paths
 #endif
 constexpr int64_t kMaxRows = static_decode_kernels::kMaxRows;
 constexpr int kAllLanes = (1 << Vec::size()) - 1;  // zero_mask() of a vector with no NaN lane
@@ -119,7 +122,9 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
                 int64_t s1, const int64_t* limit, const int64_t* first, float scale, float* acc, float* mx, float* l) {
   constexpr int64_t d = NX * Vec::size();
   constexpr int64_t kStep = 16;  // keys a value step, and keys of the next block scored after it
+#if !defined(CPU_CAPABILITY_AVX2)
   alignas(64) float kbuf[kStep * d];  // key rows widened to float32 where they are scored by FMAs
+#endif
   alignas(64) float sbuf[2][kMaxRows * kBlock];  // this block's scores (then weights) and the next block's scores
   std::fill(acc, acc + M * d, 0.f);
   std::fill(mx, mx + M, kNegInf);
@@ -139,11 +144,15 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
       }
     }
 #endif
+#if defined(CPU_CAPABILITY_AVX2)
+    scores8<T, NX>(q, M, k + j0 * ks, ks, n, j0, limit, scale, s, kBlock, kNegInf);  // the cache's rows in place
+#else
     const float* kb = float_rows<T>(k + j0 * ks, ks, n, d, kbuf);
 #if defined(CPU_CAPABILITY_AVX512)
     scores16<NX>(q, M, kb, n, j0, limit, scale, s);
 #else
     scores<NX>(q, M, kb, n, j0, limit, scale, s);
+#endif
 #endif
   };
   const auto score_block = [&](int64_t j0, int64_t n, float* s) {
@@ -196,6 +205,11 @@ void split_item(const float* q, bool bf16_q, int64_t M, const T* k, int64_t ks, 
     const T* vj = v + j0 * vs;
     const auto value_at = [&](int64_t g) {
       return [=](int64_t j, int x) { return row16<T>(vj + (g + j) * vs + x * Vec::size()); };
+    };
+#elif defined(CPU_CAPABILITY_AVX2)
+    const T* vj = v + j0 * vs;  // as AVX-512's: the value rows widened in registers, no scratch copy
+    const auto value_at = [&](int64_t g) {
+      return [=](int64_t j, int x) { return Vec(row8<T>(vj + (g + j) * vs + x * Vec::size())); };
     };
 #else
     alignas(64) float vbuf[kBlock * d];  // without AVX-512 the value rows are widened into scratch

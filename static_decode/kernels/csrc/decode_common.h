@@ -52,8 +52,10 @@ inline NextRows next_rows(const T* k, int64_t ks, const T* v, int64_t vs, int64_
 }
 
 // Query rows accumulate_rows takes together at head_dim NX x 16: R x NX accumulators in registers.
+// 24 of AVX-512's 32 vector registers; 12 of AVX2's 16, which 24 accumulators would overflow.
+constexpr int kAccVectors = at::vec::Vectorized<float>::size() == 16 ? 24 : 12;
 template <int NX>
-constexpr int group_rows = NX >= 24 ? 1 : 24 / NX;
+constexpr int group_rows = NX >= kAccVectors ? 1 : kAccVectors / NX;
 
 // acc[row] = alpha[row] * acc[row] + sum_j p[row][j] * v[j] for the R rows of a group at once (r <= R used): each
 // value row is loaded once for the whole group (`value(j, x)`: the x-th float vector of value row j), R x NX
