@@ -14,6 +14,7 @@
 // first key are never read; a padded slot returns exact zeros. Built on first use by static_decode/cpu_kernel.py.
 #include <torch/library.h>
 
+#include "attention_avx2.h"
 #include "attention_avx512.h"
 #include "checks.h"
 #include "decode_common.h"
@@ -39,10 +40,13 @@ using namespace static_decode_kernels::attention;
 constexpr int64_t kMaxRows = static_decode_kernels::kMaxRows;
 constexpr int kAllLanes = (1 << Vec::size()) - 1;  // zero_mask() of a vector with no NaN lane
 
-// The x-th float vector of an int8 code row, widened (AVX-512: sign-extended to int32 in registers, converted).
+// The x-th float vector of an int8 code row, widened (AVX-512 and AVX2: sign-extended to int32 in registers,
+// converted).
 inline Vec codes_vec(const int8_t* p) {
 #if defined(CPU_CAPABILITY_AVX512)
   return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
 #else
   alignas(64) float f[Vec::size()];
   for (int i = 0; i < Vec::size(); ++i) f[i] = static_cast<float>(p[i]);
@@ -63,6 +67,8 @@ inline void code_scores(const float* q, int64_t M, const float* kb, int64_t n, i
                         float scale, float* s) {
 #if defined(CPU_CAPABILITY_AVX512)
   scores16<NX>(q, M, kb, n, j0, limit, scale, s);
+#elif defined(CPU_CAPABILITY_AVX2)
+  scores8<float, NX>(q, M, kb, NX * 8, n, j0, limit, scale, s, kBlock, kNegInf);
 #else
   for (int64_t m = 0; m < M; ++m) {
     const int64_t visible = std::clamp<int64_t>(limit[m] - j0, 0, n);
