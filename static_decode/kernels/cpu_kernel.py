@@ -1,6 +1,7 @@
 """Our CPU kernels, built on first use, then ops like any others: decode attention (csrc/decode_attention.cpp) and
-the bfloat16 one-row products (csrc/gemv_bf16.cpp, where the CPU has AVX512-BF16: `gemv_bf16`, and the calls a
-decode layer makes in place of several: `gemv_bf16_cat3` for q/k/v, `gemv_bf16_glu` for SwiGLU's gate/up/silu), and
+the bfloat16 one-row products (csrc/gemv_bf16.cpp, where the CPU has AVX512-BF16 or AVX2 (csrc/gemv_avx2.cpp):
+`gemv_bf16`, and the calls a decode layer makes in place of several: `gemv_bf16_cat3` for q/k/v, `gemv_bf16_glu` for
+SwiGLU's gate/up/silu), and
 a batch-1 decode step's whole decoder layers in one call (csrc/decode_layers.cpp, static_decode.model.fused_decode).
 
 They exist because torch's formulations read the cache and the bf16 weights well below the memory's rate at decode
