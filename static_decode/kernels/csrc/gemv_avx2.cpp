@@ -57,17 +57,6 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
 }
 
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline float scale_at(const QuantMat& m, int64_t i) {
-  return m.bf16_scales ? bf16_to_float(static_cast<const uint16_t*>(m.s)[i]) : static_cast<const float*>(m.s)[i];
-}
-
 inline void prefetch_step(const char* at, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
 }

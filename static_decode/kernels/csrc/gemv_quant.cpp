@@ -51,7 +51,9 @@ namespace {
 
 using static_decode_kernels::QuantMat;
 using static_decode_kernels::QuantRow;
+using static_decode_kernels::bf16_to_float;
 using static_decode_kernels::check_cpu;
+using static_decode_kernels::scale_at;
 
 constexpr int64_t kRows8 = 8;  // int8 rows per inner step: independent accumulators and load streams
 constexpr int64_t kRows4 = 4;  // int4 rows per inner step
@@ -82,17 +84,6 @@ inline const QuantPlan& quant_plan() {
   static const QuantPlan plan = static_decode_kernels::amd_row_plan() ? QuantPlan{16384, 3, 8192, 8192, true}
                                                                        : QuantPlan{0, 2, 4096, 4096, false};
   return plan;
-}
-
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline float scale_at(const QuantMat& m, int64_t i) {
-  return m.bf16_scales ? bf16_to_float(static_cast<const uint16_t*>(m.s)[i]) : static_cast<const float*>(m.s)[i];
 }
 
 // A packed chunk's 32 bytes as its 64 codes in column order (the layout above), as float32.

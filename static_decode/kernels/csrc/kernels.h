@@ -8,6 +8,7 @@
 #include <ATen/ops/empty_like.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace static_decode_kernels {
@@ -71,6 +72,16 @@ struct QuantMat {
   bool bf16_scales;  // scales in bfloat16 (else float32)
   bool bf16_row;     // the row it multiplies is bfloat16 (quant_mat: as the scales; int4 then takes the bf16 path)
 };
+// A bfloat16's bits as float32 (its upper half), and scale i of a quantized weight (float32 or bfloat16 scales).
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float scale_at(const QuantMat& m, int64_t i) {
+  return m.bf16_scales ? bf16_to_float(static_cast<const uint16_t*>(m.s)[i]) : static_cast<const float*>(m.s)[i];
+}
 struct QuantRow {  // the row x [K] as the products read it: prepare_row
   int64_t K = 0;
   const float* xf = nullptr;     // float32 values
