@@ -9,7 +9,7 @@ as fast per byte as the bfloat16 GEMV reads bfloat16. For each shape [N, K] (Smo
 down and head, and 4096 x 4096) this times, with the candidates taking turns in every round (a shared machine
 changes speed between phases; medians over the rounds):
 
-* bf16 `F.linear` and our `gemv_bf16` (static_decode.kernels.cpu_kernel, where the CPU has AVX512-BF16);
+* bf16 `F.linear` and our `gemv_bf16` (static_decode.kernels.cpu_kernel, where the CPU has AVX512-BF16 or AVX2);
 * int8 per output channel: `torch.ops.aten._weight_int8pack_mm`, and gpt-fast's
   `F.linear(x, w.to(x.dtype)) * scales` and its multiply-and-row-sum form compiled by inductor;
 * int4 grouped (32 / 64 / 128): `torch.ops.aten._weight_int4pack_mm_for_cpu` on the weight packed by
