@@ -9,8 +9,6 @@ the tokenizer and template: static_decode.checkpoints.gguf_vocab.
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +17,18 @@ import torch
 from torch import nn
 
 from static_decode.base.hugepages import to_huge_pages
+from static_decode.checkpoints import gguf_plan
+from static_decode.checkpoints.gguf_plan import FLOAT_TYPES, model_linears
 from static_decode.model.config import LlamaConfig, RopeConfig
+from static_decode.model.gguf_quant import BlockEmbedding, BlockLinear, Blocks, BlockWeight
 from static_decode.model.joining import join_projections
 from static_decode.model.llama import Llama, hf_name
 from static_decode.model.parallel import SINGLE, TensorParallel, shard_dim
-from static_decode.model.quant import INT4_CHUNK, QuantLinear, QuantWeight, Scheme, pack_int4, quantize_model
+from static_decode.model.quant import QuantLinear, QuantWeight, Scheme, pack_int4, quantize_model
 
 SUFFIX = ".gguf"
 # general.architecture -> the transformers architecture whose switches it runs with (static_decode.model.config)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 INT4_EXACT = Scheme(4, 32)  # what a Q4_0 block is, exactly, in a float32 model
 Q4_0_BLOCK = 18  # bytes of a Q4_0 block: a float16 scale, then 16 bytes of 32 codes
 EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -147,14 +147,6 @@ def gguf_names(arch: str, config: LlamaConfig, meta: Llama, file: Path) -> dict[
     return out
 
 
-@dataclass
-class _Plan:
-    """How each GGUF tensor is taken: as int4 codes (exact), or as floats; with the reasons said on stderr."""
-
-    int4: set[str]
-    dequantized: dict[str, set[str]]  # GGUF type -> why its tensors are dequantized
-
-
 def _unpermute(x: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's rotary permutation of q / k rows (convert_hf_to_gguf's LlamaModel.permute): rows [N, ...]
     stored as (head, pair, half) back to (head, half, pair)."""
@@ -219,18 +211,26 @@ def load_gguf(
             raise ValueError(f"tensor {g!r} in {file.name} has shape {stored}, the metadata needs {shape}")
     if dtype is None:
         dtype = FLOAT_TYPES.get(tensors["token_embd.weight"].tensor_type.name, torch.float32)
-    plan = _plan(model_linears(meta, fused_projections), names, tensors, dtype, tp, quantize)
+    plan = gguf_plan.plan(model_linears(meta, fused_projections), names, tensors, dtype, tp, quantize)
+    if fused_projections and gguf_plan.mixed(model_linears(meta, True), names, plan):
+        fused_projections = False  # one joined weight has one format
+        plan = gguf_plan.plan(model_linears(meta, False), names, tensors, dtype, tp, quantize)
 
     heads = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
     model = Llama(config, dtype=dtype, device="meta", tp=tp, fused_projections=fused_projections)
     codes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    blocks: dict[str, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     for name, g in names.items():
         t = tensors[g]
         permuted = next((h for part, h in heads.items() if arch == "llama" and f".{part}." in f".{name}"), None)
-        if g in plan.int4:
-            raw = t.data if permuted is None else _unpermute(np.asarray(t.data), permuted)
-            codes[name] = tuple(x.to(device) for x in _q4_0_int4(raw, *wanted[g]))
+        if g in plan.int4 or g in plan.blocks:
+            raw = np.asarray(t.data).reshape(wanted[g][0], -1)  # [N, row bytes]
+            raw = raw if permuted is None else _unpermute(raw, permuted)
+            if g in plan.int4:
+                codes[name] = tuple(x.to(device) for x in _q4_0_int4(raw, *wanted[g]))
+            else:
+                blocks[name] = torch.from_numpy(np.array(raw)).to(device)  # a copy: the file's map is dropped
             continue
         value = _floats(t)
         if permuted is not None:
@@ -243,82 +243,29 @@ def load_gguf(
             parts = [prefix + p for p in (joined[child][0] if child in joined else (child,))]
             if isinstance(linear, nn.Linear) and f"{parts[0]}.weight" in codes:
                 setattr(module, child, _int4_linear(codes, state, parts, linear.in_features))
+            elif isinstance(linear, nn.Linear) and f"{parts[0]}.weight" in blocks:
+                kind = plan.blocks[names[f"{parts[0]}.weight"]]
+                setattr(module, child, _block_linear(blocks, state, parts, linear.in_features, kind, dtype))
+    embed = names["embed_tokens.weight"]
+    if embed in plan.blocks:
+        model.embed_tokens = BlockEmbedding(BlockWeight(blocks.pop("embed_tokens.weight"), plan.blocks[embed],
+                                                        config.hidden_size, dtype))
     join_projections(model, state)
     model.load_state_dict(state, strict=False, assign=True)
     model.reset_rope()
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    if left or codes:
-        raise RuntimeError(f"GGUF load left {left} unset and {sorted(codes)} unused")  # a bug, not the file
-    if plan.int4:
+    if left or codes or blocks:
+        raise RuntimeError(f"GGUF load left {left} unset and {sorted(codes) + sorted(blocks)} unused")  # a bug
+    in_blocks = {kind for g, kind in plan.blocks.items() if g != gguf_plan.EMBEDDING or config.tie_word_embeddings}
+    if in_blocks:  # a projection (the tied head among them) multiplies blocks
+        model.quantization = Blocks(tuple(sorted(in_blocks | ({"Q4_0"} if plan.int4 else set()))))
+    elif plan.int4:
         model.quantization = INT4_EXACT
-    _say(file, plan, dtype, quantize)
+    gguf_plan.say(file, plan, dtype, quantize)
     if quantize is not None:
         quantize_model(model, quantize)
     to_huge_pages(model, files=[file])  # the file's page cache dropped first
     return model.eval().requires_grad_(False)
-
-
-def model_linears(meta: Llama, fused_projections: bool) -> list[tuple[str, ...]]:
-    """Our projections' weights (names of the checkpoint layout) grouped as the model joins them: q/k/v and
-    gate/up one group each when fused (one format per joined weight), the rest alone; the LM head of an untied
-    model among them."""
-    groups = []
-    for name, module in meta.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        groups.append(f"{name}.weight")
-    if not fused_projections:
-        return [(g,) for g in groups]
-    out: dict[str, list[str]] = {}
-    for g in groups:
-        head = g.replace(".k_proj.", ".q_proj.").replace(".v_proj.", ".q_proj.").replace(".up_proj.", ".gate_proj.")
-        out.setdefault(head, []).append(g)
-    return [tuple(v) for v in out.values()]
-
-
-def _plan(groups: list[tuple[str, ...]], names: dict[str, str], tensors: dict[str, Any], dtype: torch.dtype,
-          tp: TensorParallel, quantize: Scheme | None) -> _Plan:
-    """Which Q4_0 projections map exactly onto int4-g32 (a whole joined group or none of it), and why the other
-    quantized tensors are dequantized."""
-    plan = _Plan(set(), {})
-    for group in groups:
-        kinds = {tensors[names[w]].tensor_type.name for w in group}
-        if "Q4_0" not in kinds:
-            continue
-        k = int(tensors[names[group[0]]].shape[0])
-        why = ("quantize= asks for our own scheme" if quantize is not None
-               else "tensor parallelism slices float weights" if tp.enabled
-               else f"its float16 scales are not exact in {str(dtype).removeprefix('torch.')}"
-               if dtype != torch.float32
-               else f"{k} inputs are not a multiple of int4's {INT4_CHUNK}-column chunks" if k % INT4_CHUNK
-               else "a joined projection whose parts are of several types" if kinds != {"Q4_0"}
-               else None)
-        if why is None:
-            plan.int4.update(names[w] for w in group)
-        else:
-            plan.dequantized.setdefault("Q4_0", set()).add(why)
-    for t in tensors.values():
-        kind = t.tensor_type.name
-        if kind in FLOAT_TYPES or t.name in plan.int4:
-            continue
-        why = ("the embedding stays float for its row lookups" if t.name == "token_embd.weight"
-               else "a scale per 32 weights, where int8 keeps one per row" if kind == "Q8_0"
-               else None if kind == "Q4_0"
-               else "no static-decode layout holds it exactly")
-        if why is not None:
-            plan.dequantized.setdefault(kind, set()).add(why)
-    return plan
-
-
-def _say(file: Path, plan: _Plan, dtype: torch.dtype, quantize: Scheme | None) -> None:
-    """One line on stderr: which quantized tensors became int4 and which were dequantized, and why."""
-    if not plan.int4 and not plan.dequantized:
-        return
-    parts = [f"{len(plan.int4)} Q4_0 tensor(s) as int4-g32 (exact)"] if plan.int4 else []
-    parts += [f"{kind} dequantized to {str(dtype).removeprefix('torch.')} ({'; '.join(sorted(why))})"
-              for kind, why in plan.dequantized.items()]
-    tail = f"; then quantized as {quantize.name}" if quantize is not None else ""
-    print(f"{file.name}: {'; '.join(parts)}{tail}", file=sys.stderr)
 
 
 def _slice(value: torch.Tensor, dim: int | None, tp: TensorParallel) -> torch.Tensor:
@@ -338,3 +285,14 @@ def _int4_linear(codes: dict[str, tuple[torch.Tensor, torch.Tensor]], state: dic
     biases = [state.pop(f"{p}.bias") for p in parts if f"{p}.bias" in state]
     bias = (torch.cat(biases) if len(biases) > 1 else biases[0]) if biases else None
     return QuantLinear.from_stored(QuantWeight.from_stored(qweight, scales, INT4_EXACT, in_features), bias)
+
+
+def _block_linear(blocks: dict[str, torch.Tensor], state: dict[str, torch.Tensor], parts: list[str],
+                  in_features: int, kind: str, dtype: torch.dtype) -> BlockLinear:
+    """A BlockLinear over the blocks of `parts` (stacked by rows when joined: one type, `gguf_plan.mixed`), its
+    bias float."""
+    pieces = [blocks.pop(f"{p}.weight") for p in parts]
+    rows = torch.cat(pieces) if len(pieces) > 1 else pieces[0]  # [N, row bytes]
+    biases = [state.pop(f"{p}.bias") for p in parts if f"{p}.bias" in state]
+    bias = (torch.cat(biases) if len(biases) > 1 else biases[0]) if biases else None
+    return BlockLinear(BlockWeight(rows, kind, in_features, dtype), bias)

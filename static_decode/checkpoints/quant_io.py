@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from static_decode.model.config import LlamaConfig
+from static_decode.model.gguf_quant import block_types
 from static_decode.model.llama import Llama, hf_name
 from static_decode.model.parallel import SINGLE, TensorParallel, shard_dim
 from static_decode.model.quant import (
@@ -282,6 +283,9 @@ def checkpoint_tensors(model: Llama) -> dict[str, torch.Tensor]:
     scheme = scheme_of(model)
     if scheme is None:
         raise ValueError("the model is not quantized: quantize it first (static_decode.model.quant.quantize_model)")
+    if kinds := block_types(model):
+        raise ValueError(f"the model holds GGUF blocks ({', '.join(sorted(kinds))}), which a static-decode checkpoint "
+                         "does not store: load the GGUF file itself, or load it with quantize= for int8/int4")
     if model.tp.enabled:
         raise ValueError(f"the model is the shard of {model.tp.describe()}: save a quantized checkpoint from a "
                          "single process")

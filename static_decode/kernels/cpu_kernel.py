@@ -31,11 +31,11 @@ import torch
 CSRC = Path(__file__).with_name("csrc")
 _SOURCE_NAMES = ("decode_attention.cpp", "decode_attention_int8.cpp", "gemv_bf16.cpp", "gemv_quant.cpp",
                  "gemv_avx2.cpp", "linear_quant.cpp", "decode_layers.cpp", "decode_layers_checks.cpp",
-                 "sample_keys.cpp")
+                 "sample_keys.cpp", "gguf_ops.cpp", "gguf_portable.cpp", "gguf_avx2.cpp")
 SOURCES = [CSRC / name for name in _SOURCE_NAMES]
 # Hashed into the build flags: torch's builder tracks only the sources.
 HEADERS = [CSRC / name for name in ("kernels.h", "checks.h", "attention_avx512.h", "decode_common.h",
-                                         "decode_layers.h")]
+                                         "decode_layers.h", "gguf_blocks.h", "attention_avx2.h")]
 ENV = "STATIC_DECODE_CPU_KERNEL"  # "0": never build or use the kernels
 WAIT_ENV = "STATIC_DECODE_BUILD_WAIT"  # seconds to wait for another process's build (default BUILD_WAIT)
 BUILD_WAIT = 1800.0

@@ -18,6 +18,7 @@ from static_decode.core.attention import resolve_impl
 from static_decode.core.cache import StaticKVCache
 from static_decode.kernels import cpu_kernel
 from static_decode.model.blocks import Block
+from static_decode.model.gguf_quant import block_types
 from static_decode.model.llama import Llama
 from static_decode.model.quant import QuantWeight, Scheme
 
@@ -48,6 +49,8 @@ def unsupported(model: Llama, cache: StaticKVCache) -> str | None:
     for bad, why in reasons:
         if bad:
             return why
+    if kinds := block_types(model.layers):
+        return f"GGUF blocks ({', '.join(sorted(kinds))}): the kernel takes float, int8 and int4 weights"
     formats = {getattr(s, "name", "float") for s in projection_formats(model)}
     if len(formats) > 1:
         return f"projections in several formats ({', '.join(sorted(formats))}): the kernel takes one"

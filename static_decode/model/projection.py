@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from static_decode.kernels import cpu_kernel
+from static_decode.model.gguf_quant import BlockWeight
 from static_decode.model.quant import QuantWeight
 
 STREAMED_DTYPES = (torch.bfloat16, torch.float16)  # CPU dtypes whose one-row product streams faster than F.linear
@@ -48,8 +49,8 @@ def materialized(v: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, x [..., K], weight [N, K]; for a single row, our bfloat16 GEMV kernel or the
     streamed form where those are faster."""
-    # int8 / int4 weight-only (static_decode.model.quant): torch's kernels, any rows
-    if isinstance(weight, QuantWeight):
+    # int8 / int4 weight-only (static_decode.model.quant), GGUF blocks (static_decode.model.gguf_quant): any rows
+    if isinstance(weight, (QuantWeight, BlockWeight)):
         out = weight.matmul(x)  # [..., N]
         return out if bias is None else out + bias
     K = x.shape[-1]
@@ -108,7 +109,8 @@ def glu(
     AVX512-BF16 or AVX2, one kernel call (cpu_kernel.gemv_bf16_glu: both products and the silu, each product rounded to
     x's dtype first, as the separate calls round it)."""
     if not _fusable(x, (gate, up), (b_gate, b_up)):
-        return _silu_mul(linear(x, gate, b_gate), linear(x, up, b_up), quantized=isinstance(gate, QuantWeight))
+        quantized = isinstance(gate, (QuantWeight, BlockWeight))
+        return _silu_mul(linear(x, gate, b_gate), linear(x, up, b_up), quantized=quantized)
     return cpu_kernel.gemv_bf16_glu(x, gate, up).view(*x.shape[:-1], gate.shape[0])  # [..., N]
 
 
@@ -129,7 +131,7 @@ def glu_joined(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         gate, up = weight.split(inner)  # [inner, K] each: contiguous row blocks
         return glu(x, gate, up)
     gate, up = linear(x, weight, bias).split(inner, dim=-1)  # [..., inner] views of one product
-    return _silu_mul(gate, up, quantized=isinstance(weight, QuantWeight))
+    return _silu_mul(gate, up, quantized=isinstance(weight, (QuantWeight, BlockWeight)))
 
 
 def _silu_mul(gate: torch.Tensor, up: torch.Tensor, quantized: bool) -> torch.Tensor:

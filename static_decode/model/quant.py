@@ -20,6 +20,7 @@ from torch import nn
 
 from static_decode.kernels import cpu_kernel
 from static_decode.model import quant_cuda
+from static_decode.model.gguf_quant import BlockWeight
 from static_decode.model.parallel import shard_dim
 
 INT4_GROUPS = (32, 64, 128)
@@ -380,7 +381,7 @@ def read_bytes(model: nn.Module) -> int:
     it (untied, or tied and quantized: the head reads its own copy); a step looks up one embedding row."""
     embed = model.embed_tokens.weight
     head_reads_embedding = model.lm_head is None
-    return weight_bytes(model) - (0 if head_reads_embedding else embed.nbytes - embed[0].nbytes)
+    return weight_bytes(model) - (0 if head_reads_embedding else embed.nbytes - embed.nbytes // embed.shape[0])
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -389,7 +390,8 @@ def weight_bytes(model: nn.Module) -> int:
     for byte), counting a tensor shared by two modules once."""
     seen: set[int] = set()
     total = 0
-    stored = (t for m in model.modules() if isinstance(m, QuantWeight) for t in (m.qweight, m.scales))
+    stored = (t for m in model.modules() if isinstance(m, (QuantWeight, BlockWeight))
+              for t in ((m.qweight, m.scales) if isinstance(m, QuantWeight) else (m.blocks,)))
     for t in (*model.parameters(), *stored):
         if id(t) not in seen:
             seen.add(id(t))

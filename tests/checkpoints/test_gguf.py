@@ -20,6 +20,7 @@ from static_decode.checkpoints.gguf import load_gguf
 from static_decode.checkpoints.loading import load_chat_template, load_config, load_model, load_tokenizer
 from static_decode.commands import cli
 from static_decode.generation.generator import Generator
+from static_decode.model.gguf_quant import Blocks, BlockWeight
 from static_decode.model.quant import QuantWeight, Scheme
 from tests.support import gguf_files
 from tests.support.checkpoints import feed, hf_greedy, hf_llama, save, tiny_gguf
@@ -74,15 +75,14 @@ def _transformers(file: Path):
                                                              dtype=torch.float32).eval()
 
 
-def test_q8_0_is_dequantized_exactly_into_float32(files, capsys):
+def test_q8_0_is_held_as_its_blocks(files, capsys):
     got = load_model(files["Q8_0"])
-    assert "Q8_0 dequantized to float32 (a scale per 32 weights, where int8 keeps one per row;" in \
-        capsys.readouterr().err
+    assert "Q8_0 tensor(s) kept as their blocks (exact)" in capsys.readouterr().err
     assert got.dtype == torch.float32 and not any(isinstance(m, QuantWeight) for m in got.modules())
+    assert isinstance(got.layers[0].mlp.down_proj.weight, BlockWeight) and got.quantization == Blocks(("Q8_0",))
     ref = _transformers(files["Q8_0"])
     want = ref(torch.tensor([PROMPT])).logits[0].detach()
     torch.testing.assert_close(feed(got, [PROMPT], 4)[0], want, rtol=0, atol=1e-5)
-    assert _greedy(got, 8) == hf_greedy(ref, PROMPT, 8, eos=2)
 
 
 def test_q4_0_loads_into_int4_bit_for_bit(files, capsys):
@@ -91,7 +91,7 @@ def test_q4_0_loads_into_int4_bit_for_bit(files, capsys):
 
     got = load_model(files["Q4_0"])
     err = capsys.readouterr().err
-    assert "14 Q4_0 tensor(s) as int4-g32 (exact)" in err and "(the embedding stays float for its row lookups)" in err
+    assert "14 Q4_0 tensor(s) as int4-g32 (exact); 1 Q4_0, 1 Q8_0 tensor(s) kept as their blocks" in err
     assert got.quantization == Scheme(4, 32)
     ref = _transformers(files["Q4_0"])
     ref_state = ref.state_dict()
@@ -112,10 +112,11 @@ def test_q4_0_loads_into_int4_bit_for_bit(files, capsys):
     assert _greedy(got, 8) == hf_greedy(ref, PROMPT, 8, eos=2)
 
 
-def test_q4_0_in_bfloat16_or_with_quantize_is_dequantized_first(files, capsys):
+def test_q4_0_in_bfloat16_is_held_as_blocks_and_with_quantize_is_dequantized_first(files, capsys):
     bf16 = load_model(files["Q4_0"], dtype="bfloat16")
-    assert "Q4_0 dequantized to bfloat16 (its float16 scales are not exact in bfloat16" in capsys.readouterr().err
+    assert "15 Q4_0, 1 Q8_0 tensor(s) kept as their blocks (exact)" in capsys.readouterr().err
     assert not any(isinstance(m, QuantWeight) for m in bf16.modules())
+    assert bf16.layers[0].mlp.down_proj.weight.scheme.name == "Q4_0"
     int8 = load_model(files["Q4_0"], quantize="int8")
     assert "quantize= asks for our own scheme" in capsys.readouterr().err
     assert int8.quantization == Scheme(8) and int8.layers[0].mlp.down_proj.weight.scheme == Scheme(8)

@@ -28,7 +28,7 @@ ISAS = ("AVX512", "AVX2", "DEFAULT")  # what the kernels are built for, best fir
 # the sampling keys, the native boundary and its fuzz (what differs by ISA is compiled code, so all of it reruns).
 KERNEL_TESTS = (
     "tests/kernels/test_cpu_kernel.py", "tests/kernels/test_kv_int8_kernel.py", "tests/kernels/test_window_kernel.py",
-    "tests/kernels/test_native_boundary.py", "tests/kernels/test_native_fuzz.py",
+    "tests/kernels/test_native_boundary.py", "tests/kernels/test_native_fuzz.py", "tests/kernels/test_gguf_kernel.py",
     "tests/model/test_fused_decode.py", "tests/model/test_fused_quant.py", "tests/model/test_linear_quant.py",
     "tests/model/test_window_fused.py", "tests/model/test_fused_projections.py", "tests/model/test_kv_int8_model.py",
     "tests/steps/test_sample_keys.py",

@@ -12,6 +12,7 @@
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/ops/mm.h>
 
 #include <algorithm>
@@ -39,7 +40,9 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& qweight, const at::Te
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t rows = std::min({N, by_cache, ((N + threads - 1) / threads + 15) / 16 * 16});
   auto y = at::empty({M, N}, x.options());
+  const at::ThreadLocalState caller;  // inference mode and the like: OpenMP's threads do not inherit them
   at::parallel_for(0, (N + rows - 1) / rows, 1, [&](int64_t b0, int64_t b1) {
+    const at::ThreadLocalStateGuard same(caller);  // y may be an inference tensor, written in place here
     auto w = at::empty({rows, K}, x.options());  // this thread's block of the weight, reused block after block
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * rows, n = std::min(rows, N - n0);
