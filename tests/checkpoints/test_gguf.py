@@ -92,7 +92,7 @@ def test_q4_0_loads_into_int4_bit_for_bit(files, capsys):
     got = load_model(files["Q4_0"])
     err = capsys.readouterr().err
     assert "14 Q4_0 tensor(s) as int4-g32 (exact); 1 Q4_0, 1 Q8_0 tensor(s) kept as their blocks" in err
-    assert got.quantization == Scheme(4, 32)
+    assert got.quantization == Blocks(("Q4_0", "Q8_0"))  # the layers int4, the head Q8_0 blocks
     ref = _transformers(files["Q4_0"])
     ref_state = ref.state_dict()
     layer = got.layers[1]
