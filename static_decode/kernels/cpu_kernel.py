@@ -51,7 +51,7 @@ INT8 = torch.int8  # an int8 cache's codes (static_decode.core.kv_quant): `decod
 # The flags inductor compiles its own CPU kernels with for each ISA (torch/_inductor/cpu_vec_isa.py), so the
 # kernel's at::vec types are the widths torch uses: AVX-512 here, 16 floats a vector.
 _ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 _VEC_FLOATS = {"AVX512": 16, "AVX2": 8}

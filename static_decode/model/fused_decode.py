@@ -18,7 +18,8 @@ from static_decode.core.attention import resolve_impl
 from static_decode.core.cache import StaticKVCache
 from static_decode.kernels import cpu_kernel
 from static_decode.model.blocks import Block
-from static_decode.model.gguf_quant import block_types
+from static_decode.model.gguf_dequant import BlockType
+from static_decode.model.gguf_quant import BlockWeight, block_types
 from static_decode.model.llama import Llama
 from static_decode.model.quant import QuantWeight, Scheme
 
@@ -49,10 +50,13 @@ def unsupported(model: Llama, cache: StaticKVCache) -> str | None:
     for bad, why in reasons:
         if bad:
             return why
-    if kinds := block_types(model.layers):
-        return f"GGUF blocks ({', '.join(sorted(kinds))}): the kernel takes float, int8 and int4 weights"
     formats = {getattr(s, "name", "float") for s in projection_formats(model)}
-    if len(formats) > 1:
+    if kinds := block_types(model.layers):  # GGUF blocks of any types together: each product reads its own
+        if formats - kinds:
+            return f"projections both GGUF blocks and {', '.join(sorted(formats - kinds))}: the kernel takes one kind"
+        if cache.dtype == torch.int8:
+            return "an int8 cache with GGUF blocks (the int8-cache layers take float, int8 and int4 weights)"
+    elif len(formats) > 1:
         return f"projections in several formats ({', '.join(sorted(formats))}): the kernel takes one"
     impl = resolve_impl(model.attn_impl, 1, cache.kv_heads, groups, cache.device, c.head_dim, cache.dtype)
     if impl != "decode_kernel":
@@ -60,22 +64,36 @@ def unsupported(model: Llama, cache: StaticKVCache) -> str | None:
     return None
 
 
-def projection_formats(model: Llama) -> set[Scheme | None]:
-    """The formats of the decoder layers' projections: their QuantWeights' schemes, None for float weights."""
+def projection_formats(model: Llama) -> set[Scheme | BlockType | None]:
+    """The formats of the decoder layers' projections: their QuantWeights' schemes and BlockWeights' block types,
+    None for float weights."""
     return {
-        m.weight.scheme if isinstance(m.weight, QuantWeight) else None
+        m.weight.scheme if isinstance(m.weight, (QuantWeight, BlockWeight)) else None
         for block in model.layers for part in (block.self_attn, block.mlp) for m in part.children()
-        if isinstance(getattr(m, "weight", None), QuantWeight)
+        if isinstance(getattr(m, "weight", None), (QuantWeight, BlockWeight))
         or (isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2)
     }
 
 
-def _rows(weight: torch.Tensor | QuantWeight, sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """A weight's row blocks (contiguous views) as (weight, None), or a quantized one's as (codes, scales): a
-    quantized row's codes and scales are its own (per-row scales, groups along K)."""
+def _rows(weight: torch.Tensor | QuantWeight | BlockWeight, sizes: list[int]
+          ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """A weight's row blocks (contiguous views) as (weight, None), a quantized one's as (codes, scales), GGUF blocks'
+    as (blocks, None): a quantized row's codes and scales are its own (per-row scales, groups along K)."""
     if isinstance(weight, QuantWeight):
         return list(zip(weight.qweight.split(sizes), weight.scales.split(sizes), strict=True))
+    if isinstance(weight, BlockWeight):
+        return [(w, None) for w in weight.blocks.split(sizes)]
     return [(w, None) for w in weight.split(sizes)]
+
+
+def layer_types(block: Block) -> list[int]:
+    """The GGUF type numbers of a block's seven projections in the kernel's order (q, k, v, o, gate, up, down: a
+    joined weight's parts share its type), empty where they are not GGUF blocks."""
+    a, m = block.self_attn, block.mlp
+    qkv = [a.qkv_proj.weight] * 3 if a.fused else [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
+    gate_up = [m.gate_up_proj.weight] * 2 if m.fused else [m.gate_proj.weight, m.up_proj.weight]
+    weights = [*qkv, a.o_proj.weight, *gate_up, m.down_proj.weight]
+    return [w.scheme.number for w in weights] if isinstance(weights[0], BlockWeight) else []
 
 
 def layer_weights(block: Block) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -118,11 +136,13 @@ class FusedLayers:
         # (nn.Linear's), checked by the kernel on every call.
         self.weights: list[torch.Tensor] = []
         self.scales: list[torch.Tensor] = []  # a quantized model's: 7 a layer (the kernel's kQuantIndex order)
+        self.types: list[int] = []  # GGUF blocks' type numbers: 7 a layer, in the same order
         for block in model.layers[start:stop]:
             weights, scales = layer_weights(block)
             self.weights += [w.detach() for w in weights]
             self.scales += scales
-        schemes = projection_formats(model) - {None}
+            self.types += layer_types(block)
+        schemes = {s for s in projection_formats(model) - {None} if isinstance(s, Scheme)}
         scheme = next(iter(schemes)) if len(schemes) == 1 else None  # one format (`unsupported` says why not)
         self.group = -1 if scheme is None else scheme.group  # -1: float; 0: int8; else the int4 group
         # Each layer's sliding window for the kernel (0: none); empty when no layer of the span slides.
@@ -150,6 +170,11 @@ class FusedLayers:
             return torch.ops.static_decode_cpu.decode_layers_kv8(
                 x.contiguous(), cos.contiguous(), sin.contiguous(), k, v, scales[0], scales[1], lens, n_new,
                 lens_after, int(read_len), self.weights, self.scales, self.group, self.eps, self.windows,
+            )  # [1, 1, D]
+        if self.types:
+            return torch.ops.static_decode_cpu.decode_layers_gguf(
+                x.contiguous(), cos.contiguous(), sin.contiguous(), k, v, lens, n_new, lens_after, int(read_len),
+                self.weights, self.types, self.eps, self.windows,
             )  # [1, 1, D]
         if self.group >= 0:
             return torch.ops.static_decode_cpu.decode_layers_q(

@@ -142,6 +142,13 @@ void products(const S* x, int64_t K, std::initializer_list<Product> mats, static
     at::parallel_for(0, first.back(), 8, blocks);
     return;
   }
+  if (head.q->gguf != 0) {  // GGUF blocks (one layer's may be of several types): the row's codes made once
+    std::vector<float> xf(K);
+    at::vec::convert(x, xf.data(), K);
+    static_decode_kernels::gguf::quantize_row(xf.data(), K, row.g);
+    at::parallel_for(0, first.back(), 8, blocks);
+    return;
+  }
   const int64_t group = head.q->group;
   const bool bf16 = static_decode_kernels::int4_bf16_path(*head.q);
   const bool int8 = static_decode_kernels::int8_dot_path(*head.q);
@@ -392,9 +399,9 @@ at::Tensor layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 at::Tensor run_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const Cache& cache,
                       const at::Tensor& lens, const at::Tensor& n_new, const at::Tensor& lens_after, int64_t read_len,
                       at::TensorList weights, at::TensorList scales, int64_t group, double eps,
-                      at::IntArrayRef windows) {
+                      at::IntArrayRef windows, at::IntArrayRef types = {}) {
   const auto quant =
-      check_layers(x, cos, sin, cache, lens, n_new, lens_after, read_len, weights, scales, group, windows);
+      check_layers(x, cos, sin, cache, lens, n_new, lens_after, read_len, weights, scales, group, windows, types);
   switch (x.scalar_type()) {
     case at::kFloat:
       return layers<float>(x, cos, sin, cache, lens, n_new, lens_after, read_len, weights, quant, eps, windows);
@@ -426,6 +433,23 @@ at::Tensor decode_layers_q(const at::Tensor& x, const at::Tensor& cos, const at:
   TORCH_CHECK(group >= 0, "decode_layers_q: group ", group, " (0 for int8; 32, 64 or 128 for int4)");
   return run_layers(x, cos, sin, Cache{k, v}, lens, n_new, lens_after, read_len, weights, scales, group, eps,
                     windows);
+}
+
+// The same for GGUF blocks (static_decode/model/gguf_quant.py): `weights` holds each projection's blocks (uint8
+// [N, row bytes]) in place of its float weight, `types` the 7 projections' GGUF types per layer (kQuantIndex's order).
+at::Tensor decode_layers_gguf(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
+                              at::Tensor& v, const at::Tensor& lens, const at::Tensor& n_new,
+                              const at::Tensor& lens_after, int64_t read_len, at::TensorList weights,
+                              at::IntArrayRef types, double eps, at::IntArrayRef windows) {
+  return run_layers(x, cos, sin, Cache{k, v}, lens, n_new, lens_after, read_len, weights, {}, -1, eps, windows,
+                    types);
+}
+
+at::Tensor decode_layers_gguf_meta(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
+                                   at::Tensor& v, const at::Tensor& lens, const at::Tensor& n_new,
+                                   const at::Tensor& lens_after, int64_t read_len, at::TensorList weights,
+                                   at::IntArrayRef types, double eps, at::IntArrayRef windows) {
+  return at::empty_like(x);
 }
 
 // Over an int8 cache: k/v its codes, k_scale/v_scale [L, 1, Hkv, max_len + 1] float32 its scales, both written at
@@ -470,6 +494,9 @@ TORCH_LIBRARY_FRAGMENT(static_decode_cpu, m) {
   m.def("decode_layers_q(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor lens, Tensor n_new, "
         "Tensor lens_after, int read_len, Tensor[] weights, Tensor[] scales, int group, float eps, "
         "int[] windows=[]) -> Tensor");
+  m.def("decode_layers_gguf(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor lens, "
+        "Tensor n_new, Tensor lens_after, int read_len, Tensor[] weights, int[] types, float eps, "
+        "int[] windows=[]) -> Tensor");
   m.def("decode_layers_kv8(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor(c!) k_scale, "
         "Tensor(d!) v_scale, Tensor lens, Tensor n_new, Tensor lens_after, int read_len, Tensor[] weights, "
         "Tensor[] scales, int group, float eps, int[] windows=[]) -> Tensor");
@@ -478,9 +505,11 @@ TORCH_LIBRARY_IMPL(static_decode_cpu, CPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("decode_layers_q", &decode_layers_q);
   m.impl("decode_layers_kv8", &decode_layers_kv8);
+  m.impl("decode_layers_gguf", &decode_layers_gguf);
 }
 TORCH_LIBRARY_IMPL(static_decode_cpu, Meta, m) {
   m.impl("decode_layers", &decode_layers_meta);
   m.impl("decode_layers_q", &decode_layers_q_meta);
   m.impl("decode_layers_kv8", &decode_layers_kv8_meta);
+  m.impl("decode_layers_gguf", &decode_layers_gguf_meta);
 }

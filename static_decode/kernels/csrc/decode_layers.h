@@ -28,10 +28,12 @@ struct Cache {
 };
 
 // Everything the layers index with, checked before the cache is written (rule 6); a quantized model's QuantMats
-// (group >= 0: 0 for int8 weights, the int4 group otherwise; -1: float weights, no scales).
+// (group >= 0: 0 for int8 weights, the int4 group otherwise; -1: float weights, no scales; `types` not empty: GGUF
+// blocks, kQuantPerLayer types a layer, group -1 and no scales).
 std::vector<QuantMat> check_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                    const Cache& cache, const at::Tensor& lens, const at::Tensor& n_new,
                                    const at::Tensor& lens_after, int64_t read_len, at::TensorList weights,
-                                   at::TensorList scales, int64_t group, at::IntArrayRef windows);
+                                   at::TensorList scales, int64_t group, at::IntArrayRef windows,
+                                   at::IntArrayRef types = {});
 
 }  // namespace static_decode_kernels::layers

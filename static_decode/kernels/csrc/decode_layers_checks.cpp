@@ -44,7 +44,8 @@ void check_cache(const Cache& c, const char* op) {
 std::vector<QuantMat> check_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                    const Cache& cache, const at::Tensor& lens, const at::Tensor& n_new,
                                    const at::Tensor& lens_after, int64_t read_len, at::TensorList weights,
-                                   at::TensorList scales, int64_t group, at::IntArrayRef windows) {
+                                   at::TensorList scales, int64_t group, at::IntArrayRef windows,
+                                   at::IntArrayRef types) {
   constexpr const char* op = "decode_layers";
   const at::Tensor &k = cache.k;
   for (const auto& [t, name] : {std::pair{&x, "x"}, {&cos, "cos"}, {&sin, "sin"}}) check_cpu(*t, op, name);
@@ -80,11 +81,29 @@ std::vector<QuantMat> check_layers(const at::Tensor& x, const at::Tensor& cos, c
   TORCH_CHECK(static_cast<int64_t>(scales.size()) == (quantized ? kQuantPerLayer * k.size(0) : 0),
               "decode_layers: ", scales.size(), " scales for ", k.size(0), " layers of ",
               quantized ? "quantized" : "float", " weights (", quantized ? kQuantPerLayer : 0, " a layer)");
+  const bool blocks = !types.empty();
+  TORCH_CHECK(!blocks || (static_cast<int64_t>(types.size()) == kQuantPerLayer * k.size(0) && group == -1),
+              "decode_layers: ", types.size(), " GGUF types for ", k.size(0), " layers (", kQuantPerLayer, " a layer)");
   std::vector<QuantMat> mats;
   for (int64_t l = 0; l < k.size(0); ++l) {
     for (int i = 0; i < kPerLayer; ++i) {
       const at::Tensor& t = weights[l * kPerLayer + i];
       check_cpu(t, op, "a weight");
+      if (blocks && want[i][1] >= 0) {  // a projection's GGUF blocks: whole blocks of the float weight's rows
+        const int64_t type = types[l * kQuantPerLayer + kQuantIndex[i]];
+        const gguf::Layout L = gguf::layout(type);
+        TORCH_CHECK(L.weights > 0, "decode_layers: layer ", l, " weight ", i, "'s GGUF type ", type,
+                    " is not one the kernels read");
+        const int64_t bytes = want[i][1] % L.weights == 0 ? want[i][1] / L.weights * L.bytes : -1;
+        TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 2 && t.size(0) == want[i][0] && t.size(1) == bytes &&
+                        t.is_contiguous(),
+                    "decode_layers: layer ", l, " weight ", i, " is ", t.scalar_type(), " ", t.sizes(), "; ",
+                    gguf::type_name(type), " blocks of a [", want[i][0], ", ", want[i][1],
+                    "] weight are contiguous uint8 [", want[i][0], ", ", bytes, "]");
+        mats.push_back(QuantMat{t.data_ptr(), nullptr, 0, 0, false, x.scalar_type() == at::kBFloat16, type,
+                                t.size(1)});
+        continue;
+      }
       if (quantized && want[i][1] >= 0) {  // a projection: its codes and scales, the shape of the float weight's
         int64_t N = 0, K = 0;
         const std::string name = "layer " + std::to_string(l) + " weight " + std::to_string(i);

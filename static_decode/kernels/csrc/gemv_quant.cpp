@@ -641,6 +641,10 @@ bool static_decode_kernels::int4_bf16_path(const QuantMat& m) {
 }
 
 void static_decode_kernels::quant_rows(const QuantMat& m, const QuantRow& x, int64_t n0, int64_t n1, float* y) {
+  if (m.gguf != 0) {  // GGUF blocks (gguf_blocks.h), times the row's codes there
+    gguf::rows(m.gguf, static_cast<const uint8_t*>(m.q), m.row_bytes, x.g, n0, n1, y);
+    return;
+  }
 #if defined(__AVX512VNNI__)
   if (m.bits == 8 && x.a8 != nullptr) return int8_rows_vnni(m, x, n0, n1, y);
 #elif STATIC_DECODE_AVX2

@@ -174,6 +174,7 @@ struct Row {
   std::vector<int8_t> a;    // [K]
   std::vector<float> d;     // [K / 32]
   std::vector<float> sum;   // [K / 16]
+  std::vector<float> sum32; // [K / 32]: the two halves' sums added
 };
 void quantize_row(const float* x, int64_t K, Row& row);
 
@@ -182,6 +183,14 @@ void rows_portable(int64_t type, const uint8_t* W, int64_t row_bytes, const Row&
 #if defined(__AVX2__)
 void rows_avx2(int64_t type, const uint8_t* W, int64_t row_bytes, const Row& x, int64_t n0, int64_t n1, float* y);
 #endif
+// The build's loop: AVX2's (with VNNI's byte products where the build has them), else the portable one.
+inline void rows(int64_t type, const uint8_t* W, int64_t row_bytes, const Row& x, int64_t n0, int64_t n1, float* y) {
+#if defined(__AVX2__)
+  rows_avx2(type, W, row_bytes, x, n0, n1, y);
+#else
+  rows_portable(type, W, row_bytes, x, n0, n1, y);
+#endif
+}
 
 }  // namespace gguf
 }  // namespace static_decode_kernels

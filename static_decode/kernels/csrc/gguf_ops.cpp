@@ -96,13 +96,7 @@ at::Tensor gemv_gguf(const at::Tensor& x, const at::Tensor& blocks, int64_t type
   const auto* W = blocks.data_ptr<uint8_t>();
   auto y = at::empty({1, N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
-#if defined(__AVX2__)
-    gguf::rows_avx2(type, W, row_bytes, row, n0, n1, yp);
-#else
-    gguf::rows_portable(type, W, row_bytes, row, n0, n1, yp);
-#endif
-  });
+  at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) { gguf::rows(type, W, row_bytes, row, n0, n1, yp); });
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 

@@ -13,6 +13,7 @@ void quantize_row(const float* x, int64_t K, Row& row) {
   row.a.assign(K, 0);
   row.d.assign(K / 32, 0.f);
   row.sum.assign(K / 16, 0.f);
+  row.sum32.assign(K / 32, 0.f);
   for (int64_t b = 0; b < K / 32; ++b) {
     const float* v = x + 32 * b;
     float amax = 0.f;
@@ -33,6 +34,7 @@ void quantize_row(const float* x, int64_t K, Row& row) {
     }
     row.sum[2 * b] = d * static_cast<float>(sums[0]);
     row.sum[2 * b + 1] = d * static_cast<float>(sums[1]);
+    row.sum32[b] = row.sum[2 * b] + row.sum[2 * b + 1];
   }
 }
 

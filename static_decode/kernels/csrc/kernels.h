@@ -11,6 +11,8 @@
 #include <cstring>
 #include <vector>
 
+#include "gguf_blocks.h"
+
 namespace static_decode_kernels {
 
 // decode_attention.cpp: q [B, Hkv, M, d] (M = G * slots query rows per KV head), k/v [B, Hkv, S, d] (rows
@@ -71,6 +73,8 @@ struct QuantMat {
   int64_t group;     // int4's group size (32, 64, 128); 0 for int8
   bool bf16_scales;  // scales in bfloat16 (else float32)
   bool bf16_row;     // the row it multiplies is bfloat16 (quant_mat: as the scales; int4 then takes the bf16 path)
+  int64_t gguf = 0;       // else a GGUF block type (gguf_blocks.h): q its blocks, row_bytes a row, no scales
+  int64_t row_bytes = 0;
 };
 // A bfloat16's bits as float32 (its upper half), and scale i of a quantized weight (float32 or bfloat16 scales).
 inline float bf16_to_float(uint16_t b) {
@@ -104,6 +108,7 @@ struct QuantRow {  // the row x [K] as the products read it: prepare_row
   std::vector<uint16_t> b;
   std::vector<int8_t> q8, q4;
   std::vector<int32_t> fix8;
+  gguf::Row g;  // GGUF blocks' products: the row's codes (gguf::quantize_row)
 };
 // `int8`: the row is also quantized to int8 in blocks of kRowBlock8 values (int8_dot_path).
 void prepare_row(const float* x, int64_t K, int64_t group, bool bf16, QuantRow& row, bool int8 = false);
