@@ -285,7 +285,8 @@ def checkpoint_tensors(model: Llama) -> dict[str, torch.Tensor]:
         raise ValueError("the model is not quantized: quantize it first (static_decode.model.quant.quantize_model)")
     if kinds := block_types(model):
         raise ValueError(f"the model holds GGUF blocks ({', '.join(sorted(kinds))}), which a static-decode checkpoint "
-                         "does not store: load the GGUF file itself, or load it with quantize= for int8/int4")
+                         "does not store: load the GGUF file itself, or quantize at load (--quantize "
+                         f"{sorted(kinds)[0].lower()}), or save int8/int4")
     if model.tp.enabled:
         raise ValueError(f"the model is the shard of {model.tp.describe()}: save a quantized checkpoint from a "
                          "single process")

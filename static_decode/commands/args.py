@@ -199,12 +199,12 @@ def speculation(args: argparse.Namespace, model: Llama) -> Speculation | None:
 
 def add_quantize_argument(p: argparse.ArgumentParser) -> None:
     """--quantize (generate, demo, chat, serve, capture-report; bench takes several forms, its own option):
-    weight-only int8 / int4 (static_decode.model.quant)."""
-    from static_decode.model.quant import CHOICES
+    weight-only int8 / int4 (static_decode.model.quant) or GGUF blocks (static_decode.model.gguf_quantize)."""
+    from static_decode.model.quant import LOAD_CHOICES
 
-    p.add_argument("--quantize", default=None, choices=CHOICES,
-                   help="weight-only quantization of every projection and the LM head: int8 (per output channel) "
-                   "or int4 (groups of 32; int4-g64 / int4-g128); CPU")
+    p.add_argument("--quantize", default=None, choices=LOAD_CHOICES,
+                   help="weight-only quantization of every projection and the LM head: int8 (per output channel), "
+                   "int4 (groups of 32; int4-g64 / int4-g128), or llama.cpp's blocks q4_k / q5_k / q6_k / q8_0")
 
 
 def name_list(text: str) -> tuple[str, ...]:

@@ -31,7 +31,8 @@ import torch
 CSRC = Path(__file__).with_name("csrc")
 _SOURCE_NAMES = ("decode_attention.cpp", "decode_attention_int8.cpp", "gemv_bf16.cpp", "gemv_quant.cpp",
                  "gemv_avx2.cpp", "linear_quant.cpp", "decode_layers.cpp", "decode_layers_checks.cpp",
-                 "sample_keys.cpp", "gguf_ops.cpp", "gguf_portable.cpp", "gguf_avx2.cpp")
+                 "sample_keys.cpp", "gguf_ops.cpp", "gguf_portable.cpp", "gguf_avx2.cpp",
+                 "gguf_avx512.cpp")
 SOURCES = [CSRC / name for name in _SOURCE_NAMES]
 # Hashed into the build flags: torch's builder tracks only the sources.
 HEADERS = [CSRC / name for name in ("kernels.h", "checks.h", "attention_avx512.h", "decode_common.h",

@@ -20,7 +20,8 @@ from torch import nn
 
 from static_decode.kernels import cpu_kernel
 from static_decode.model import quant_cuda
-from static_decode.model.gguf_quant import BlockWeight
+from static_decode.model.gguf_quant import BlockLinear, Blocks, BlockWeight
+from static_decode.model.gguf_quantize import QUANTIZABLE, quant_refusal, quantize_blocks
 from static_decode.model.parallel import shard_dim
 
 INT4_GROUPS = (32, 64, 128)
@@ -54,24 +55,28 @@ class Scheme:
         return "int8" if self.bits == 8 else f"int4-g{self.group}"
 
 
-CHOICES = ("int8", "int4", *(f"int4-g{g}" for g in INT4_GROUPS))  # what `parse` (and --quantize) take
+CHOICES = ("int8", "int4", *(f"int4-g{g}" for g in INT4_GROUPS))  # our schemes (what a saved checkpoint holds)
+BLOCK_CHOICES = tuple(k.lower() for k in QUANTIZABLE)  # GGUF blocks quantized at load (model.gguf_quantize)
+LOAD_CHOICES = (*CHOICES, *BLOCK_CHOICES)  # what `parse` (and --quantize) take
 
 
-def parse(spec: str | Scheme | None) -> Scheme | None:
-    """A Scheme from "int8", "int4" (the default group), "int4-g32" / "int4-g64" / "int4-g128"; None and "none"
-    give None (no quantization)."""
-    if spec is None or isinstance(spec, Scheme):
+def parse(spec: str | Scheme | Blocks | None) -> Scheme | Blocks | None:
+    """A Scheme from "int8", "int4" (the default group), "int4-g32" / "int4-g64" / "int4-g128"; GGUF blocks from
+    "q8_0", "q4_k", "q5_k", "q6_k"; None and "none" give None (no quantization)."""
+    if spec is None or isinstance(spec, (Scheme, Blocks)):
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"quantize must be a string such as 'int8' or 'int4', got {type(spec).__name__}")
     text = spec.strip().lower()
     if text in ("none", ""):
         return None
+    if text in BLOCK_CHOICES:
+        return Blocks((text.upper(),))
     if text == "int8":
         return Scheme(8)
     m = re.fullmatch(r"int4(?:-g(\d+))?", text)
     if m is None or (m.group(1) is not None and int(m.group(1)) not in INT4_GROUPS):
-        raise ValueError(f"quantize must be one of {', '.join(CHOICES)} or none, got {spec!r}")
+        raise ValueError(f"quantize must be one of {', '.join(LOAD_CHOICES)} or none, got {spec!r}")
     return Scheme(4, int(m.group(1)) if m.group(1) else DEFAULT_INT4_GROUP)
 
 
@@ -314,6 +319,9 @@ def quantize_model(model: nn.Module, spec: str | Scheme) -> nn.Module:
         return model
     if scheme_of(model) is not None:
         raise ValueError(f"the model is already quantized ({scheme_of(model).name})")
+    if isinstance(scheme, Blocks) and getattr(model, "tp", None) is not None and model.tp.enabled:
+        raise ValueError(f"--quantize {scheme.types[0].lower()}: GGUF blocks are not sliced across tensor-parallel "
+                         "ranks; use int8 or int4")
     embed = model.embed_tokens.weight
     if embed.dtype not in DTYPES:
         raise ValueError(f"--quantize {scheme.name} takes a float32 or bfloat16 model, not {embed.dtype}")
@@ -329,10 +337,17 @@ def quantize_model(model: nn.Module, spec: str | Scheme) -> nn.Module:
         targets.append((model, "lm_head", "lm_head (tied to embed_tokens)", None))
     for _, _, full, linear in targets:  # every layer checked before any is replaced: a refusal changes nothing
         K = embed.shape[1] if linear is None else linear.in_features
-        if scheme.bits == 4 and (why := int4_refusal(K, scheme.group)):
+        why = (quant_refusal(K, scheme.types[0]) if isinstance(scheme, Blocks)
+               else int4_refusal(K, scheme.group) if scheme.bits == 4 else None)
+        if why:
             raise ValueError(f"{full}: {why}")
     for module, child, full, linear in targets:
         weight, bias = (embed, None) if linear is None else (linear.weight, linear.bias)
+        if isinstance(scheme, Blocks):  # GGUF blocks, quantized here (static_decode.model.gguf_quantize)
+            kind = scheme.types[0]
+            blocks = BlockWeight(quantize_blocks(weight.detach(), kind), kind, weight.shape[1], weight.dtype)
+            setattr(module, child, BlockLinear(blocks, None if bias is None else bias.detach()))
+            continue
         setattr(module, child, QuantLinear(weight, bias, scheme, _row_amax(model, full, weight, scheme)))
     model.quantization = scheme
     return model
@@ -354,7 +369,7 @@ def _row_amax(model: nn.Module, name: str, weight: torch.Tensor, scheme: Scheme)
     return amax
 
 
-def scheme_of(model: nn.Module) -> Scheme | None:
+def scheme_of(model: nn.Module) -> Scheme | Blocks | None:
     """The Scheme a model was quantized with, None for a float model."""
     return getattr(model, "quantization", None)
 

@@ -17,7 +17,7 @@ from static_decode.commands.bench.report import report
 from static_decode.commands.bench.requests import FORMS
 from static_decode.commands.bench.run import run
 from static_decode.commands.bench.systems import SYSTEMS
-from static_decode.model.quant import CHOICES
+from static_decode.model.quant import LOAD_CHOICES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="static-decode's K/V cache dtype (default: the model's; llama.cpp's own default is f16)")
     p.add_argument("--quantize", default=None, metavar="FORM[,FORM...]",
                    help=f"static-decode's weight forms, each its own systems ('static-decode int8'): none (the "
-                   f"checkpoint's dtype), {', '.join(CHOICES)} (static_decode.model.quant; CPU); e.g. none,int8,int4")
+                   f"checkpoint's dtype), {', '.join(LOAD_CHOICES)} (static_decode.model.quant; CPU), gguf "
+                   f"(each --gguf file itself, its blocks as stored: 'static-decode Q4_K_M'); e.g. none,int4,gguf")
     p.add_argument("--requests", default=None, metavar="FORM[,FORM...]",
                    help=f"request forms static-decode is timed with, each its own system beside greedy "
                    f"('static-decode min-p'): {', '.join(FORMS)} (default greedy)")

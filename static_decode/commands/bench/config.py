@@ -17,7 +17,7 @@ from static_decode.base.checks import check_int, is_number
 from static_decode.commands.bench.requests import request_forms
 from static_decode.commands.bench.systems import SYSTEMS
 from static_decode.model.parallel import SINGLE, TensorParallel
-from static_decode.model.quant import CHOICES, parse
+from static_decode.model.quant import LOAD_CHOICES, parse
 
 DEFAULT_CONTEXTS = (128, 512, 1024, 1920)  # max_len / 16 = 128 included
 ATTENTION_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -63,6 +63,9 @@ def gguf_files(value: str | Path | GGUFFile | Iterable[str | Path | GGUFFile] | 
     return tuple(out)
 
 
+GGUF_FORM = "gguf"  # --quantize's form for static-decode on each --gguf file itself (its blocks as stored)
+
+
 def quantize_forms(value: str | Iterable[str] | None) -> tuple[str, ...]:
     """static-decode's weight forms of --quantize ("int8", "none,int8,int4"): each one static_decode.model.quant takes
     or "none" (the checkpoint's dtype), lower-cased, no two the same scheme; () for None."""
@@ -72,10 +75,14 @@ def quantize_forms(value: str | Iterable[str] | None) -> tuple[str, ...]:
     forms = tuple(t.strip().lower() for t in items if t.strip())
     schemes: dict[Any, str] = {}
     for f in forms:
+        if f == GGUF_FORM:
+            if forms.count(f) > 1:
+                raise ValueError(f"--quantize: {GGUF_FORM!r} given twice; give it once")
+            continue
         try:
             scheme = parse(f)
         except ValueError as e:
-            raise ValueError(f"--quantize {f!r}: choose from none, {', '.join(CHOICES)}") from e
+            raise ValueError(f"--quantize {f!r}: choose from none, {', '.join(LOAD_CHOICES)}, {GGUF_FORM}") from e
         if scheme in schemes:
             raise ValueError(f"--quantize: {schemes[scheme]!r} and {f!r} are the same form; give it once")
         schemes[scheme] = f
@@ -123,6 +130,8 @@ class BenchConfig:
             raise ValueError(f"--requests {','.join(self.requests)} times the static-decode system, which "
                              f"--systems {','.join(self.systems)} leaves out")
         self.gguf = gguf_files(self.gguf)
+        if GGUF_FORM in self.quantize and not self.gguf:
+            raise ValueError(f"--quantize {GGUF_FORM} runs static-decode on the --gguf files; none was given")
         for name in ("max_len", "steps", "repeats"):
             check_int(name, getattr(self, name), minimum=1)
         if not (is_number(self.peer_timeout) and self.peer_timeout > 0):
@@ -140,7 +149,7 @@ class BenchConfig:
         unknown = [s for s in self.systems if s not in SYSTEMS]
         if unknown or not self.systems or len(set(self.systems)) != len(self.systems):
             raise ValueError(f"systems must be distinct names from {', '.join(SYSTEMS)}, got {self.systems}")
-        if "llama.cpp" in self.systems:
+        if "llama.cpp" in self.systems or GGUF_FORM in self.quantize:
             # checked here, before minutes of model loading and compiling for the systems that come first
             seen: set[Path] = set()
             for f in self.gguf:
@@ -155,8 +164,18 @@ class BenchConfig:
 
     @property
     def forms(self) -> tuple[str, ...]:
-        """static-decode's weight forms, ("none",) when --quantize is not given."""
-        return self.quantize or ("none",)
+        """static-decode's weight forms, ("none",) when --quantize is not given; "gguf" becomes one form a --gguf
+        file, "gguf:LABEL" (`gguf_forms`)."""
+        out: list[str] = []
+        for f in self.quantize or ("none",):
+            out += list(self.gguf_forms()) if f == GGUF_FORM else [f]
+        return tuple(out)
+
+    def gguf_forms(self) -> dict[str, Path]:
+        """"gguf:LABEL" -> its file, LABEL the file's NAME= or its name less ".gguf", for --quantize gguf."""
+        if GGUF_FORM not in (self.quantize or ()):
+            return {}
+        return {f"gguf:{f.name or f.path.name.removesuffix('.gguf')}": f.path for f in self.gguf}
 
     def command(self, threads: int) -> str:
         """The command line that repeats this run (output paths left out)."""

@@ -116,7 +116,8 @@ CONCAT_FLOAT_ONLY = "skipped: the concat baseline (bench/baselines.py) multiplie
 
 
 def own_name(kind: str, form: str, forms: tuple[str, ...]) -> str:
-    return kind if len(forms) == 1 or form == "none" else f"{kind} {form}"
+    """"static-decode int8"; a GGUF file's form by its label ("static-decode Q4_K_M"); plain for one form."""
+    return kind if len(forms) == 1 or form == "none" else f"{kind} {form.removeprefix('gguf:')}"
 
 
 def gguf_names(files: tuple[GGUFFile, ...], facts: dict[Path, GGUFFacts]) -> list[str]:
@@ -159,8 +160,12 @@ def load_forms(path: Path, config: BenchConfig, device: torch.device, tp: Any) -
     the prompt and the model facts still come from it)."""
     forms = config.forms if any(k in OWN_MODEL for k in config.systems) else config.forms[:1]
     models = {}
+    files = config.gguf_forms()
     for f in forms:
-        models[f] = load_model(path, dtype=config.dtype, device=device, tp=tp, quantize=None if f == "none" else f)
+        if f in files:  # the GGUF file itself, its blocks as stored
+            models[f] = load_model(files[f], dtype=config.dtype, device=device, tp=tp)
+        else:
+            models[f] = load_model(path, dtype=config.dtype, device=device, tp=tp, quantize=None if f == "none" else f)
         models[f].kv_dtype = config.kv_dtype
     return models
 

@@ -110,17 +110,17 @@ float row_k4(const uint8_t* w, const Row& x) {
   constexpr int64_t bytes = kFive ? 176 : 144;
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   __m256 off = _mm256_setzero_ps();
-  alignas(32) float s[8], m[8];
   for (int64_t k0 = 0; k0 < x.K; k0 += 256, w += bytes) {
-    const float d = f16(w), dmin = f16(w + 2);
-    const uint8_t* sc = w + 4;
-    for (int j = 0; j < 4; ++j) {
-      s[j] = d * static_cast<float>(sc[j] & 63);
-      m[j] = dmin * static_cast<float>(sc[j + 4] & 63);
-      s[j + 4] = d * static_cast<float>((sc[j + 8] & 15) | ((sc[j] >> 6) << 4));
-      m[j + 4] = dmin * static_cast<float>((sc[j + 8] >> 4) | ((sc[j + 4] >> 6) << 4));
-    }
-    off = _mm256_fnmadd_ps(_mm256_load_ps(m), _mm256_loadu_ps(x.sum32.data() + k0 / 32), off);
+    uint64_t scb, mnb;
+    scales_mins_k4(w + 4, &scb, &mnb);
+    const __m256 m8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mnb))));
+    off = _mm256_fnmadd_ps(_mm256_mul_ps(m8, _mm256_set1_ps(f16(w + 2))), _mm256_loadu_ps(x.sum32.data() + k0 / 32),
+                           off);
+    // each sub's scale times the row's d, broadcast per sub below
+    const __m256 sd = _mm256_mul_ps(
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(scb)))),
+                      _mm256_set1_ps(f16(w))),
+        _mm256_loadu_ps(x.d.data() + k0 / 32));
     const uint8_t* qs = w + (kFive ? 48 : 16);
     const __m256i qh = kFive ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16)) : __m256i{};
     for (int p = 0; p < 4; ++p) {
@@ -132,8 +132,9 @@ float row_k4(const uint8_t* w, const Row& x) {
           u[h] = _mm256_or_si256(
               u[h], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
         const int64_t k = k0 + 32 * j;
-        acc[h + 2 * (p & 1)] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8(u[h], row_codes(x, k))),
-                                               _mm256_set1_ps(s[j] * x.d[k / 32]), acc[h + 2 * (p & 1)]);
+        const __m256 scale = _mm256_permutevar8x32_ps(sd, _mm256_set1_epi32(j));
+        acc[h + 2 * (p & 1)] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8(u[h], row_codes(x, k))), scale,
+                                               acc[h + 2 * (p & 1)]);
       }
     }
   }

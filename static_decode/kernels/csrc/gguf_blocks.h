@@ -83,6 +83,19 @@ inline void scale_min_k4(const uint8_t* s, int j, int* sc, int* mn) {
   }
 }
 
+// Q4_K / Q5_K: the 8 subs' 6-bit scales (*sc) and mins (*mn) from the 12 packed bytes at once, one byte each, sub j
+// in byte j (scale_min_k4's arithmetic on four bytes a word).
+inline void scales_mins_k4(const uint8_t* s, uint64_t* sc, uint64_t* mn) {
+  uint32_t w0, w1, w2;
+  std::memcpy(&w0, s, 4);
+  std::memcpy(&w1, s + 4, 4);
+  std::memcpy(&w2, s + 8, 4);
+  const uint64_t sc_lo = w0 & 0x3f3f3f3fu, sc_hi = (w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u);
+  const uint64_t mn_lo = w1 & 0x3f3f3f3fu, mn_hi = ((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u);
+  *sc = sc_lo | (sc_hi << 32);
+  *mn = mn_lo | (mn_hi << 32);
+}
+
 // One sub of 32 weights: w[i] = s[i / 16] * q[i] (+ c[i / 16] where `offset`).
 struct Sub {
   int16_t q[32];
@@ -183,8 +196,19 @@ void rows_portable(int64_t type, const uint8_t* W, int64_t row_bytes, const Row&
 #if defined(__AVX2__)
 void rows_avx2(int64_t type, const uint8_t* W, int64_t row_bytes, const Row& x, int64_t n0, int64_t n1, float* y);
 #endif
-// The build's loop: AVX2's (with VNNI's byte products where the build has them), else the portable one.
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define STATIC_DECODE_GGUF_AVX512 1
+// The K-quants' 512-bit loops (gguf_avx512.cpp); false for a type they leave to AVX2's.
+bool rows_avx512(int64_t type, const uint8_t* W, int64_t row_bytes, const Row& x, int64_t n0, int64_t n1, float* y);
+#else
+#define STATIC_DECODE_GGUF_AVX512 0
+#endif
+// The build's loop: AVX-512's for the K-quants where the build has VNNI, AVX2's (with VNNI's byte products where the
+// build has them), else the portable one.
 inline void rows(int64_t type, const uint8_t* W, int64_t row_bytes, const Row& x, int64_t n0, int64_t n1, float* y) {
+#if STATIC_DECODE_GGUF_AVX512
+  if (rows_avx512(type, W, row_bytes, x, n0, n1, y)) return;
+#endif
 #if defined(__AVX2__)
   rows_avx2(type, W, row_bytes, x, n0, n1, y);
 #else

@@ -232,3 +232,28 @@ def test_transformers_is_skipped_on_a_quantized_checkpoint(tmp_path):
         pytest.skip("transformers is not installed")
     assert system is None
     assert why == f"skipped: {tmp_path / 'q'} is a quantized checkpoint; transformers reads float weights"
+
+
+def test_quantize_gguf_runs_static_decode_on_each_file_at_its_bytes(tmp_path):
+    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llama-cpp-python or gguf not installed (pip install -e '.[test]')")
+    from tests.support import gguf_files
+    from tests.support.checkpoints import hf_llama, save
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save(hf_llama(vocab=gguf_files.bpe_tokenizer(ckpt, "smollm").get_vocab_size(), eos=2), ckpt)
+    f32 = gguf_files.convert(ckpt, "f32", tmp_path / "t-f32.gguf", pre="smollm")
+    q8 = gguf_files.quantize(f32, "Q8_0", tmp_path / "t-Q8_0.gguf")
+    with pytest.raises(ValueError, match="--quantize gguf runs static-decode on the --gguf files; none was given"):
+        bench_config.BenchConfig(quantize="gguf")
+    config = bench_config.BenchConfig(quantize="none,gguf", gguf=f"Q8={q8}")
+    assert config.forms == ("none", "gguf:Q8") and config.gguf_forms() == {"gguf:Q8": q8}
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", "--model", str(ckpt), "--quantize", "none,gguf", "--gguf", f"Q8={q8}",
+                     "--systems", "static-decode,llama.cpp", *TINY, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    own = {s["system"]: s["weight_bytes"] for s in doc["systems"]}
+    assert list(own) == ["static-decode", "static-decode Q8", "llama.cpp Q8"]
+    assert own["static-decode Q8"] == own["llama.cpp Q8"] < own["static-decode"]  # the file's bytes, both systems
+    assert {r["system"] for r in doc["rows"]} >= {"static-decode", "static-decode Q8"}
