@@ -216,6 +216,8 @@ def load_gguf(
         fused_projections = False  # one joined weight has one format
         plan = gguf_plan.plan(model_linears(meta, False), names, tensors, dtype, tp, quantize)
 
+    gguf_plan.check_fits(file, plan, tensors, dtype, device)  # before any tensor is read
+
     heads = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
     model = Llama(config, dtype=dtype, device="meta", tp=tp, fused_projections=fused_projections)
     codes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from static_decode.base.free_memory import free_bytes, gib
 from static_decode.model.gguf_quant import BLOCK_TYPES, DTYPES
 from static_decode.model.llama import Llama
 from static_decode.model.parallel import TensorParallel
@@ -102,3 +103,30 @@ def say(file: Path, plan: Plan, dtype: torch.dtype, quantize: Scheme | None) -> 
               for kind, why in plan.dequantized.items()]
     tail = f"; then quantized as {quantize.name}" if quantize is not None else ""
     print(f"{file.name}: {'; '.join(parts)}{tail}", file=sys.stderr)
+
+
+def model_bytes(plan: Plan, tensors: dict[str, Any], dtype: torch.dtype) -> int:
+    """Bytes the model's tensors take once loaded: blocks as stored, int4 codes and float32 scales, every other
+    tensor (float or dequantized) in `dtype`."""
+    total = 0
+    for t in tensors.values():
+        if t.name in plan.blocks:
+            total += int(t.n_bytes)
+        elif t.name in plan.int4:
+            total += int(t.n_elements) // 2 + int(t.n_elements) // 32 * 8
+        else:
+            total += int(t.n_elements) * dtype.itemsize
+    return total
+
+
+def check_fits(file: Path, plan: Plan, tensors: dict[str, Any], dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before any tensor is read, a model that would not fit in what `device` has free, naming the bytes
+    and what dequantizing costs."""
+    need, free = model_bytes(plan, tensors, dtype), free_bytes(device)
+    if free is None or need <= free:
+        return
+    floats = sum(int(t.n_elements) * dtype.itemsize for t in tensors.values()
+                 if t.tensor_type.name not in FLOAT_TYPES and t.name not in plan.blocks and t.name not in plan.int4)
+    why = (f", {gib(floats)} of it quantized tensors dequantized to {str(dtype).removeprefix('torch.')}"
+           f" ({'; '.join(sorted({w for ws in plan.dequantized.values() for w in ws}))})" if floats else "")
+    raise ValueError(f"{file.name}: the model needs {gib(need)}{why}; {device} has {gib(free)} free")

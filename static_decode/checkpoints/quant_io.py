@@ -24,7 +24,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from static_decode.model.config import LlamaConfig
-from static_decode.model.gguf_quant import block_types
+from static_decode.model.gguf_dequant import BLOCK_TYPES
+from static_decode.model.gguf_quant import BlockLinear, Blocks, BlockWeight, block_types
+from static_decode.model.gguf_quantize import quant_refusal
 from static_decode.model.llama import Llama, hf_name
 from static_decode.model.parallel import SINGLE, TensorParallel, shard_dim
 from static_decode.model.quant import (
@@ -42,7 +44,7 @@ FORMAT = "static-decode"
 WEIGHTS_FILE = "quantized.safetensors"
 ENTRY = "quantization"  # the config.json key
 # The stored layout of each width and its version (bumped when the bytes a reader expects change).
-LAYOUTS = {8: ("int8-rows", 1), 4: ("int4-chunk64", 1)}
+LAYOUTS = {8: ("int8-rows", 1), 4: ("int4-chunk64", 1), 0: ("gguf-blocks", 1)}  # 0: GGUF blocks (Blocks)
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int8: "I8", torch.uint8: "U8"}
 # Files of a checkpoint directory that hold weights (not copied beside the quantized ones).
@@ -54,12 +56,13 @@ WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json"
 class Quantized:
     """What a quantized checkpoint's config.json says of it: the scheme and the model dtype its scales are in."""
 
-    scheme: Scheme
+    scheme: Scheme | Blocks
     dtype: torch.dtype
 
     def entry(self) -> dict[str, Any]:
         layout, version = LAYOUTS[self.scheme.bits]
-        return {"format": FORMAT, "scheme": self.scheme.name, "bits": self.scheme.bits, "group": self.scheme.group,
+        name = self.scheme.spec if isinstance(self.scheme, Blocks) else self.scheme.name
+        return {"format": FORMAT, "scheme": name, "bits": self.scheme.bits, "group": self.scheme.group,
                 "layout": layout, "layout_version": version, "dtype": DTYPE_NAMES[self.dtype]}
 
     @classmethod
@@ -114,8 +117,13 @@ def stored_name(linear: str, suffix: str) -> str:
 
 
 def _quant_tensors(linear: str, N: int, K: int, q: Quantized, dim: int | None) -> dict[str, _Tensor]:
-    """The codes and scales of our projection `linear` ([N, K]) under scheme q.scheme."""
+    """The codes and scales of our projection `linear` ([N, K]) under scheme q.scheme; GGUF blocks' bytes."""
     s = q.scheme
+    if isinstance(s, Blocks):
+        t = BLOCK_TYPES[s.types[0]]
+        if why := quant_refusal(K, s.types[0]):
+            raise ValueError(f"{stored_name(linear, 'blocks')}: {why}")
+        return {stored_name(linear, "blocks"): _Tensor((N, K // t.weights * t.bytes), torch.uint8, dim, "blocks", K)}
     if s.bits == 4 and (why := int4_refusal(K, s.group)):  # the config describes weights the layout cannot hold
         raise ValueError(f"{stored_name(linear, 'qweight')}: {why}")
     if s.bits == 8:
@@ -149,6 +157,9 @@ def _index(key: str, t: _Tensor, q: Quantized, tp: TensorParallel) -> tuple[slic
     if t.dim == 0:  # column-parallel: rows of the codes, scales and bias alike
         return (slice(*tp.span(t.shape[0])),)
     K, s = t.linear, q.scheme
+    if isinstance(s, Blocks):
+        raise ValueError(f"{key}: a checkpoint of GGUF blocks ({s.spec}) loads in one process; tensor parallelism "
+                         "takes int8 or int4 checkpoints")
     start, stop = tp.span(K)  # this rank's inputs of a row-parallel projection
     if s.bits == 8:  # codes column by column; every rank keeps the whole rows' scales
         return (slice(None), slice(start, stop)) if t.kind == "qweight" else None
@@ -224,7 +235,7 @@ def load_quantized(
     device: torch.device | str | None = None,
     tp: TensorParallel = SINGLE,
     fused_projections: bool = True,
-    quantize: Scheme | None = None,
+    quantize: Scheme | Blocks | None = None,
 ) -> Llama:
     """The model of a quantized checkpoint (`stored`: its config.json's entry), built from its stored tensors.
 
@@ -250,9 +261,10 @@ def load_quantized(
             if not isinstance(linear, nn.Linear):
                 continue
             parts = [prefix + p for p in (joined[child][0] if child in joined else (child,))]
-            setattr(module, child, _linear(tensors, parts, stored.scheme, linear.in_features, linear.bias is not None))
+            setattr(module, child, _linear(tensors, parts, stored.scheme, linear.in_features, linear.bias is not None,
+                                           stored.dtype))
     if model.lm_head is None:  # tied: the head's own quantized copy
-        model.lm_head = _linear(tensors, ["lm_head"], stored.scheme, config.hidden_size, False)
+        model.lm_head = _linear(tensors, ["lm_head"], stored.scheme, config.hidden_size, False, stored.dtype)
     floats = {name: tensors.pop(hf_name(name)) for name, p in model.named_parameters() if p.is_meta}
     model.load_state_dict(floats, strict=False, assign=True)
     model.reset_rope()
@@ -263,15 +275,18 @@ def load_quantized(
     return model.eval().requires_grad_(False)
 
 
-def _linear(tensors: dict[str, torch.Tensor], parts: list[str], scheme: Scheme, in_features: int,
-            bias: bool) -> QuantLinear:
-    """A QuantLinear over the stored tensors of projections `parts` (our names: one projection, or those a joined
-    one stacks by rows), popped from `tensors`."""
+def _linear(tensors: dict[str, torch.Tensor], parts: list[str], scheme: Scheme | Blocks, in_features: int,
+            bias: bool, dtype: torch.dtype) -> QuantLinear | BlockLinear:
+    """A QuantLinear (BlockLinear) over the stored tensors of projections `parts` (our names: one projection, or
+    those a joined one stacks by rows), popped from `tensors`."""
 
     def rows(suffix: str) -> torch.Tensor:
         pieces = [tensors.pop(stored_name(p, suffix)) for p in parts]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # [sum(rows), ...]
 
+    if isinstance(scheme, Blocks):
+        blocks = BlockWeight(rows("blocks"), scheme.types[0], in_features, dtype)
+        return BlockLinear(blocks, rows("bias") if bias else None)
     weight = QuantWeight.from_stored(rows("qweight"), rows("scales"), scheme, in_features)
     return QuantLinear.from_stored(weight, rows("bias") if bias else None)
 
@@ -283,10 +298,12 @@ def checkpoint_tensors(model: Llama) -> dict[str, torch.Tensor]:
     scheme = scheme_of(model)
     if scheme is None:
         raise ValueError("the model is not quantized: quantize it first (static_decode.model.quant.quantize_model)")
-    if kinds := block_types(model):
-        raise ValueError(f"the model holds GGUF blocks ({', '.join(sorted(kinds))}), which a static-decode checkpoint "
-                         "does not store: load the GGUF file itself, or quantize at load (--quantize "
-                         f"{sorted(kinds)[0].lower()}), or save int8/int4")
+    kinds = block_types(model)
+    from_file = isinstance(model.embed_tokens.weight, BlockWeight)
+    if kinds and (not isinstance(scheme, Blocks) or len(kinds) > 1 or from_file):
+        raise ValueError(f"the model holds GGUF blocks ({', '.join(sorted(kinds))}) as a GGUF file does (several "
+                         "types, or its embedding): load the GGUF file itself; a checkpoint holds one type, quantized "
+                         "from a float one (static-decode quantize --quantize q4_k)")
     if model.tp.enabled:
         raise ValueError(f"the model is the shard of {model.tp.describe()}: save a quantized checkpoint from a "
                          "single process")
@@ -294,11 +311,12 @@ def checkpoint_tensors(model: Llama) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             raise ValueError(f"{name} is not quantized: every projection of a quantized checkpoint is")
-        if isinstance(module, QuantWeight):
-            if module.scheme != scheme:
+        if isinstance(module, (QuantWeight, BlockWeight)):
+            same = module.scheme == scheme if isinstance(module, QuantWeight) else (module.scheme.name,) == scheme.types
+            if not same:
                 raise ValueError(f"{name} is {module.scheme.name}, the model {scheme.name}: a checkpoint holds one")
             continue
-        if not isinstance(module, QuantLinear):
+        if not isinstance(module, (QuantLinear, BlockLinear)):
             prefix = f"{name}." if name else ""
             out.update({hf_name(prefix + p): t for p, t in module.named_parameters(recurse=False)})
             continue
@@ -306,7 +324,9 @@ def checkpoint_tensors(model: Llama) -> dict[str, torch.Tensor]:
         joined = getattr(model.get_submodule(parent), "joined", None) or {}
         parts, sizes = joined.get(child, ((child,), (module.out_features,)))
         w, prefix = module.weight, f"{parent}." if parent else ""
-        for suffix, whole in (("qweight", w.qweight), ("scales", w.scales), ("bias", module.bias)):
+        stored = ((("blocks", w.blocks),) if isinstance(w, BlockWeight) else (("qweight", w.qweight),
+                                                                             ("scales", w.scales)))
+        for suffix, whole in (*stored, ("bias", module.bias)):
             if whole is not None:
                 for part, piece in zip(parts, whole.split(list(sizes)), strict=True):
                     out[stored_name(prefix + part, suffix)] = piece

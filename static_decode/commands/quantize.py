@@ -14,7 +14,7 @@ from static_decode.checkpoints.gguf import is_gguf
 from static_decode.checkpoints.loading import default_model_path, load_model
 from static_decode.checkpoints.quant_io import WEIGHT_SUFFIXES, WEIGHTS_FILE, save_quantized, stored_quantization
 from static_decode.commands.args import add_threads_argument, apply_threads, check_checkpoint
-from static_decode.model.quant import CHOICES, quantize_model, weight_bytes
+from static_decode.model.quant import LOAD_CHOICES, quantize_model, weight_bytes
 
 MB = 1e6
 
@@ -55,8 +55,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=None,
                    help="float checkpoint dir or Hub id org/name[@revision] (default: embedded model)")
-    p.add_argument("--quantize", required=True, choices=CHOICES,
-                   help="int8 (per output channel) or int4 (groups of 32; int4-g64 / int4-g128)")
+    p.add_argument("--quantize", required=True, choices=LOAD_CHOICES,
+                   help="int8 (per output channel), int4 (groups of 32; int4-g64 / int4-g128), or llama.cpp's blocks "
+                   "q4_k / q5_k / q6_k / q8_0")
     p.add_argument("--out", type=Path, required=True, help="the new checkpoint dir (must not exist, or be empty)")
     p.add_argument("--dtype", default=None,
                    help="float32 or bfloat16: the model dtype the scales are rounded to and every command then runs "

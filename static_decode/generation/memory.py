@@ -13,11 +13,11 @@ tests/generation/test_memory.py pins it to the `.nbytes` of a real allocation. M
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 
 from static_decode.base.checks import check_int
+from static_decode.base.free_memory import GIB, free_bytes, gib  # noqa: F401 - re-exported
 from static_decode.core import kv_quant
 from static_decode.core.cache import SPARE_ROWS
 from static_decode.model.config import LlamaConfig
@@ -25,8 +25,6 @@ from static_decode.model.quant import read_bytes as quant_read_bytes
 from static_decode.model.quant import weight_bytes as quant_weight_bytes
 from static_decode.steps.functions import buffer_layout
 
-GIB = 1024**3
-MEMINFO = Path("/proc/meminfo")
 INT64 = 8  # bytes of the cache's int64 lengths
 
 
@@ -93,24 +91,6 @@ def read_bytes(model: torch.nn.Module) -> int:
     return quant_read_bytes(model)
 
 
-def free_bytes(device: torch.device | str) -> int | None:
-    """Bytes `device` can still hand out, or None when that cannot be known (then nothing is refused).
-
-    CUDA: the driver's free memory plus what PyTorch's caching allocator holds reserved but unused (it serves
-    new tensors from there first). CPU: MemAvailable of /proc/meminfo. Other device types: None.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return None
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        free, _total = torch.cuda.mem_get_info(index)
-        return free + torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
-    if device.type == "cpu":
-        return _mem_available()
-    return None
-
-
 def check_fits(nbytes: int, device: torch.device | str, what: str) -> None:
     """Raise ValueError, sizes in GiB, when `nbytes` for `what` exceed what `device` has free; else nothing.
 
@@ -126,11 +106,6 @@ def check_fits(nbytes: int, device: torch.device | str, what: str) -> None:
     )
 
 
-def gib(nbytes: int) -> str:
-    """A byte count in GiB with two decimals, e.g. "12.50 GiB"."""
-    return f"{nbytes / GIB:.2f} GiB"
-
-
 def _itemsize(dtype: torch.dtype) -> int:
     return _dtype(dtype).itemsize
 
@@ -139,16 +114,3 @@ def _dtype(dtype: torch.dtype) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}: {dtype!r}")
     return dtype
-
-
-def _mem_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes; None where the file is missing or unreadable (not Linux)."""
-    try:
-        with MEMINFO.open() as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    value, unit = line.split()[1:3]
-                    return int(value) * (1024 if unit.lower() == "kb" else 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None

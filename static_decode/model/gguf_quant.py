@@ -134,7 +134,13 @@ class Blocks:
 
     types: tuple[str, ...]
     bits: int = 0
+    group: int = 0
 
     @property
     def name(self) -> str:
         return "gguf " + "/".join(self.types)
+
+    @property
+    def spec(self) -> str:
+        """--quantize's name of a one-type model ("q4_k"), what a saved checkpoint's entry holds."""
+        return "/".join(t.lower() for t in self.types)

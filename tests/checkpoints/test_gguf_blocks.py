@@ -17,7 +17,7 @@ from static_decode.generation.generator import Generator
 from static_decode.kernels import cpu_kernel
 from static_decode.model.gguf_quant import BlockEmbedding, Blocks, BlockWeight
 from static_decode.model.llama import hf_name
-from static_decode.model.quant import weight_bytes
+from static_decode.model.quant import Scheme, weight_bytes
 from tests.support import gguf_files
 from tests.support.checkpoints import feed, hf_llama, save
 
@@ -109,3 +109,17 @@ def test_compiled_steps_give_the_eager_tokens(files):
     model = load_gguf(files["Q4_K_M"])
     eager = Generator(model, max_len=64).generate(PROMPT, 10)
     assert Generator(model, max_len=64, compile=True).generate(PROMPT, 10) == eager
+
+
+def test_a_model_that_would_not_fit_is_refused_before_any_tensor_is_read(files, monkeypatch):
+    from static_decode.checkpoints import gguf_plan
+
+    monkeypatch.setattr(gguf_plan, "free_bytes", lambda device: 1024)  # 1 KiB free
+    read = []
+    monkeypatch.setattr("static_decode.checkpoints.gguf._floats", lambda t: read.append(t) or None)
+    with pytest.raises(ValueError, match=r"m-Q4_K_M\.gguf: the model needs 0\.\d\d GiB; cpu has 0\.00 GiB free"):
+        load_gguf(files["Q4_K_M"])
+    with pytest.raises(ValueError, match=r"the model needs .* GiB, 0\.\d\d GiB of it quantized tensors dequantized "
+                                         r"to float32 \(quantize= asks for our own scheme\); cpu has"):
+        load_gguf(files["Q4_K_M"], quantize=Scheme(8))
+    assert not read

@@ -287,3 +287,22 @@ def test_two_gloo_ranks_on_a_saved_checkpoint(tmp_path):
         assert got["tokens"] == tokens, rank
         for a, b in zip(got["logits"], logits, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("spec", "dtype", "hidden"), [("q8_0", torch.float32, None), ("q8_0", torch.bfloat16, None),
+                                                       ("q4_k", torch.float32, 256), ("q6_k", torch.bfloat16, 256)])
+def test_gguf_blocks_roundtrip_to_the_in_memory_model(tmp_path, monkeypatch, spec, dtype, hidden):
+    """GGUF blocks quantized from a float checkpoint (--quantize q4_k ...) saved as their bytes and loaded as them:
+    an untied head with biases where the model is 256 wide (the K-quants' blocks)."""
+    from static_decode.model.gguf_quant import BlockLinear, Blocks
+
+    src = None if hidden is None else save(hf_llama(seed=5, bias=True, hidden=hidden, vocab=128), tmp_path / "float")
+    model, out = _saved(tmp_path, spec, dtype, src)
+    monkeypatch.setattr(quant, "quantize_blocks", _never)  # loading must not quantize
+    loaded = load_model(out)
+    assert loaded.quantization == Blocks((spec.upper(),)) and isinstance(loaded.lm_head, BlockLinear)
+    _same_model(model, loaded)
+    for got, want in zip(feed(loaded, ROWS, 8), feed(model, ROWS, 8), strict=True):
+        assert torch.equal(got, want)
+    assert _greedy(loaded) == _greedy(model)
+    assert json.loads((out / "config.json").read_text())["quantization"]["scheme"] == spec

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from static_decode import Generator
+from static_decode.base import free_memory
 from static_decode.core.cache import StaticKVCache
 from static_decode.generation import memory
 from static_decode.model.config import LlamaConfig
@@ -70,7 +71,7 @@ def test_check_fits_refuses_in_gib(monkeypatch):
 
 
 def test_check_fits_skips_when_free_memory_is_unknown(monkeypatch, tmp_path):
-    monkeypatch.setattr(memory, "MEMINFO", tmp_path / "absent")
+    monkeypatch.setattr(free_memory, "MEMINFO", tmp_path / "absent")
     assert memory.free_bytes("cpu") is None
     memory.check_fits(10**30, "cpu", "x")  # no number to compare with: not refused
     assert memory.free_bytes("meta") is None
@@ -79,7 +80,7 @@ def test_check_fits_skips_when_free_memory_is_unknown(monkeypatch, tmp_path):
 def test_cpu_free_memory_is_meminfo_mem_available(monkeypatch, tmp_path):
     info = tmp_path / "meminfo"
     info.write_text("MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    2000000 kB\n")
-    monkeypatch.setattr(memory, "MEMINFO", info)
+    monkeypatch.setattr(free_memory, "MEMINFO", info)
     assert memory.free_bytes("cpu") == 2000000 * 1024
     with pytest.raises(ValueError, match=r"need 1\.91 GiB on cpu, which has 1\.91 GiB free"):
         memory.check_fits(2000000 * 1024 + 1, torch.device("cpu"), "the KV cache and step buffers")
