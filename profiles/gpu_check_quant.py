@@ -1,11 +1,12 @@
-"""The `quant` phase of profiles/gpu_check.py: int8 and int4 weights on the shape's model (random bf16 weights,
-quantized on the device: every projection and the head), beside the bf16 model.
+"""The `quant` phase of profiles/gpu_check.py: int8, int4 and GGUF-block weights on the shape's model (random bf16
+weights, quantized on the device: every projection and the head), beside the bf16 model.
 
 In this order, each part while the phase's budget leaves time for it:
 
 1. products: one row by every weight a decode step reads (each layer's projections and the head; the embedding
-   is a lookup), back to back in one CUDA graph, per form: bf16 (cuBLAS), int8 and int4-g32 through each int4
-   product ("reduce", "tinygemm"); ms, GB/s and the fraction of the copy rate. Before timing a quantized form,
+   is a lookup), back to back in one CUDA graph, per form: bf16 (cuBLAS), int8, GGUF Q4_K blocks (the tensor
+   code's reduction, compiled) and int4-g32 through each int4 product ("reduce", "tinygemm"); ms, GB/s and the
+   fraction of the copy rate. Before timing a quantized form,
    `correct` / quant_matmul rows: two of layer 0's products (one row compiled, 4 rows eager) against float64 by
    the dequantized weight.
 2. whole steps (SETTINGS): the model quantized, its decode step compiled as the generator captures it, timed at
@@ -34,7 +35,8 @@ from torch import nn
 from capture import BucketLadder, CaptureOptions
 from capture import _dynamo_counters as dc
 from static_decode import Generator
-from static_decode.model import quant, quant_cuda
+from static_decode.model import gguf_quant, quant, quant_cuda
+from static_decode.model.gguf_quant import BlockLinear, BlockWeight
 from static_decode.model.quant import QuantLinear, QuantWeight
 from static_decode.steps.functions import STEPS
 
@@ -52,17 +54,24 @@ class Setting:
     kernel: str | None = None  # int4: one of static_decode.model.quant_cuda.INT4_KERNELS
 
 
-def settings(faster_int4: str) -> list[Setting]:
-    """The whole-step settings in the order they run: int4 through the faster product, int8, the other one."""
+def gguf_kind(dry: bool) -> str:
+    """The GGUF block type the phase runs: Q4_K (what Q4_K_M files hold most), Q8_0 on the dry run's shape (its
+    64-wide rows are no multiple of Q4_K's 256)."""
+    return "q8_0" if dry else "q4_k"
+
+
+def settings(faster_int4: str, dry: bool = False) -> list[Setting]:
+    """The whole-step settings in the order they run: int4 through the faster product, int8, GGUF blocks (the tensor
+    code a CUDA step compiles: static_decode.model.gguf_dequant), the other int4 product."""
     other = next(k for k in quant_cuda.INT4_KERNELS if k != faster_int4)
     return [Setting(f"{INT4}-{faster_int4}", INT4, faster_int4), Setting("int8", "int8"),
-            Setting(f"{INT4}-{other}", INT4, other)]
+            Setting(f"gguf-{gguf_kind(dry)}", gguf_kind(dry)), Setting(f"{INT4}-{other}", INT4, other)]
 
 
 def phase_quant(ctx: Ctx) -> None:
     dc.raise_recompile_limit(64)  # a graph per weight shape of each compiled product
     faster = products(ctx)
-    for s in settings(faster):
+    for s in settings(faster, ctx.dry):
         if ctx.left() < (20 if ctx.dry else SETTING_S):
             ctx.rows.add("quant", setting=s.name, skipped="no time left in the phase's budget")
             continue
@@ -86,13 +95,14 @@ def products(ctx: Ctx) -> str:
     copy_gbps, timer = ctx.copy_gbps(), Timer(d)
     model = _model(sh.config, sh, d)
     float_form = "bf16" if sh.dtype == torch.bfloat16 else str(sh.dtype).removeprefix("torch.")
-    for form in (float_form, "int8", f"{INT4}-reduce", f"{INT4}-tinygemm"):
+    blocks = f"gguf-{gguf_kind(ctx.dry)}"
+    for form in (float_form, "int8", blocks, f"{INT4}-reduce", f"{INT4}-tinygemm"):
         if ctx.left() < (5 if ctx.dry else 15):
             ctx.rows.add("products", form=form, skipped="no time left in the phase's budget")
             continue
         try:
-            if form == "int8":
-                m = quant.quantize_model(copy.deepcopy(model), "int8")
+            if form in ("int8", blocks):
+                m = quant.quantize_model(copy.deepcopy(model), form.removeprefix("gguf-"))
             elif form == f"{INT4}-reduce":
                 m = quant.quantize_model(model, INT4)  # in place: the float weights go
             elif form == f"{INT4}-tinygemm":
@@ -118,7 +128,7 @@ def products(ctx: Ctx) -> str:
 
 def _weights(model: nn.Module) -> list[torch.Tensor | QuantWeight]:
     """Every weight a decode step multiplies by (float nn.Linear weights or QuantWeights), the head included."""
-    return [m.weight for m in model.modules() if isinstance(m, nn.Linear | QuantLinear)]
+    return [m.weight for m in model.modules() if isinstance(m, nn.Linear | QuantLinear | BlockLinear)]
 
 
 def _products_fn(model: nn.Module, dry: bool) -> tuple[Callable[[], None], int]:
@@ -129,10 +139,15 @@ def _products_fn(model: nn.Module, dry: bool) -> tuple[Callable[[], None], int]:
     xs = {K: torch.randn(1, K, device=weights[0].device).to(weights[0].dtype) for K in {w.shape[1] for w in weights}}
     compile_ = lambda f: torch.compile(f, fullgraph=True, dynamic=False, backend="eager" if dry else "inductor")  # noqa: E731
     int8, int4 = compile_(quant_cuda.int8_matmul), compile_(quant_cuda.int4_row)
+    gguf = compile_(gguf_quant.row_product)
     calls: list[Callable[[], torch.Tensor]] = []
     nbytes = 0
     for w in weights:
         x = xs[w.shape[1]]
+        if isinstance(w, BlockWeight):  # the one-row reduction over the dequantized blocks, compiled
+            calls.append(lambda x=x, w=w: gguf(x, w.blocks, w.scheme.name))
+            nbytes += w.nbytes
+            continue
         if not isinstance(w, QuantWeight):
             calls.append(lambda x=x, w=w: torch.nn.functional.linear(x, w))
             nbytes += w.nbytes

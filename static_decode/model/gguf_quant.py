@@ -73,8 +73,7 @@ class BlockWeight(nn.Module):
         elif self._kernel() and x.dtype in DTYPES:
             out = torch.ops.static_decode_cpu.linear_gguf(x2, self.blocks, number)  # [M, N]
         elif x2.shape[0] == 1:  # CUDA (or no kernels): one reduction over the blocks, fused when compiled
-            out = (dequantize_blocks(self.blocks, self.scheme.name) * x2.float()).sum(-1, keepdim=True).t()  # [1, N]
-            out = out.to(x.dtype)
+            out = row_product(x2, self.blocks, self.scheme.name)  # [1, N]
         else:
             out = F.linear(x2, self.dequantize(x.dtype))  # [M, N]
         return out.reshape(*lead, self.out_features)
@@ -94,6 +93,12 @@ class BlockWeight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.scheme.name}, out={self.out_features}, in={self.in_features}"
+
+
+def row_product(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """One row x [1, K] times the weight of `blocks` (type `kind`) -> [1, N] in x's dtype, as tensor code: the
+    dequantized float32 values times the row, summed in float32 (a compiled step fuses it into one reduction)."""
+    return (dequantize_blocks(blocks, kind) * x.float()).sum(-1, keepdim=True).t().to(x.dtype)  # [1, N]
 
 
 class BlockLinear(nn.Module):

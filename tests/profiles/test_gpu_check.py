@@ -92,8 +92,10 @@ def test_dry_run_writes_every_file_and_key(tmp_path, monkeypatch) -> None:
     # several eager).
     from gpu_check_quant import MATMUL_WEIGHTS, settings
 
-    names = {q.name for q in settings("reduce")}
-    assert names == {"int8", "int4-g32-reduce", "int4-g32-tinygemm"} == {q.name for q in settings("tinygemm")}
+    names = {q.name for q in settings("reduce", dry=True)}
+    assert names == {"int8", "gguf-q8_0", "int4-g32-reduce", "int4-g32-tinygemm"}
+    assert names == {q.name for q in settings("tinygemm", dry=True)}
+    assert {q.name for q in settings("reduce")} == names - {"gguf-q8_0"} | {"gguf-q4_k"}  # on the device
     assert set(s["quant_products"]) == {"float32", *names}
     assert all(p["ms"] > 0 and p["vs_bf16"] > 0 for p in s["quant_products"].values())
     assert s["quant_products"]["float32"]["vs_bf16"] == 1.0
