@@ -31,6 +31,7 @@ SUFFIX = ".gguf"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 INT4_EXACT = Scheme(4, 32)  # what a Q4_0 block is, exactly, in a float32 model
 Q4_0_BLOCK = 18  # bytes of a Q4_0 block: a float16 scale, then 16 bytes of 32 codes
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency rope divisors (Llama 3.x)
 EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
@@ -106,9 +107,13 @@ def gguf_config(reader: Any, file: Path) -> LlamaConfig:
     scaling = key("rope.scaling.type", "none")
     if scaling != "none":
         raise ValueError(f"{file}: GGUF key '{arch}.rope.scaling.type' is {scaling!r}; only 'none' is supported")
-    if "rope_freqs.weight" in names:
-        raise ValueError(f"{file} holds rope_freqs.weight (per-frequency rope factors, Llama 3.1 style), which "
-                         "static-decode does not read from GGUF; load the save_pretrained checkpoint instead")
+    factors = ()
+    if ROPE_FREQS in names:  # Llama 3.x's scaling as llama.cpp writes it: one divisor per frequency
+        t = next(t for t in reader.tensors if t.name == ROPE_FREQS)
+        if t.tensor_type.name != "F32" or int(t.n_elements) != head_dim // 2:
+            raise ValueError(f"{file}: {ROPE_FREQS} is {t.tensor_type.name} of {int(t.n_elements)} values; "
+                             f"float32 of head_dim / 2 = {head_dim // 2} wanted")
+        factors = tuple(float(v) for v in np.asarray(t.data, dtype=np.float32))
     vocab = key("vocab_size", None) or len(field(reader, "tokenizer.ggml.tokens", file))
     return LlamaConfig(
         vocab_size=vocab,
@@ -119,7 +124,7 @@ def gguf_config(reader: Any, file: Path) -> LlamaConfig:
         num_kv_heads=key("attention.head_count_kv", heads),
         head_dim=head_dim,
         rms_norm_eps=_float(key("attention.layer_norm_rms_epsilon")),
-        rope=RopeConfig(theta=_float(key("rope.freq_base", 10000.0))),
+        rope=RopeConfig(theta=_float(key("rope.freq_base", 10000.0)), freq_factors=factors),
         max_position_embeddings=key("context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
@@ -202,7 +207,7 @@ def load_gguf(
     missing = [g for g in wanted if g not in tensors]
     if missing:
         raise KeyError(f"GGUF file {file} lacks tensor(s): {', '.join(missing)}")
-    unexpected = [g for g in tensors if g not in wanted]
+    unexpected = [g for g in tensors if g not in wanted and g != ROPE_FREQS]  # rope_freqs: read into the config
     if unexpected:
         raise KeyError(f"GGUF file {file} has tensor(s) the model does not describe: {', '.join(unexpected)}")
     for g, shape in wanted.items():

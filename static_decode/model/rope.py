@@ -39,6 +39,8 @@ def inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | str | None 
         return freq / rope.factor
     if rope.type == "llama3":
         return _llama3(rope, freq)
+    if rope.freq_factors:  # a GGUF's rope_freqs: llama.cpp divides each frequency by its factor
+        return freq / torch.tensor(rope.freq_factors, dtype=torch.float32, device=freq.device)
     return freq
 
 

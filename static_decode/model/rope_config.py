@@ -71,6 +71,9 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors within the original context
     long_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors past it
     partial_rotary_factor: float = 1.0  # the fraction of each head's dims that rotate (the first ones)
+    # "default": per-frequency divisors of the table (a GGUF's rope_freqs, as llama.cpp writes Llama 3.x's scaling:
+    # frequency i divided by freq_factors[i]); () for none
+    freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.type not in ROPE_TYPES:
@@ -97,7 +100,9 @@ class RopeConfig:
                 _check_finite(f"rope {name}", getattr(self, name))
         if not isinstance(self.truncate, bool):
             raise TypeError(f"rope truncate must be a bool, got {self.truncate!r}")
-        for name in ("short_factor", "long_factor"):
+        if self.freq_factors and self.type != "default":
+            raise ValueError(f"rope freq_factors divide the default table; this rope is {self.type!r}")
+        for name in ("short_factor", "long_factor", "freq_factors"):
             values = getattr(self, name)
             if not isinstance(values, list | tuple):
                 raise TypeError(f"rope {name} must be a list of numbers, got {values!r}")
@@ -128,6 +133,9 @@ class RopeConfig:
             )
         if self.type == "dynamic" and rot == 2:
             raise ValueError("dynamic rope needs a rotary width above 2 (its base grows as ** (rot / (rot - 2)))")
+        if self.freq_factors and len(self.freq_factors) != rot // 2:
+            raise ValueError(f"rope freq_factors hold {len(self.freq_factors)} values; the rotary width {rot} needs "
+                             f"{rot // 2} (one per frequency)")
         if self.type == "longrope" and len(self.short_factor) != rot // 2:
             raise ValueError(
                 f"longrope short_factor and long_factor hold {len(self.short_factor)} values; the rotary width "

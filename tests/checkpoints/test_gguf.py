@@ -10,6 +10,7 @@ directory's tokenizer.json and llama.cpp's tokenizer on the same file.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -208,3 +209,32 @@ def test_a_tensor_parallel_rank_reads_the_directory_s_shard(files):
         assert list(got) == list(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
     with pytest.raises(ValueError, match="world size 3 does not divide num_kv_heads=2"):
         load_gguf(files["f32"], tp=TensorParallel(rank=0, world=3))
+
+
+def test_llama3_rope_factors_are_read_from_rope_freqs(tmp_path):
+    """Llama 3.x's rope scaling reaches a GGUF only as rope_freqs (one divisor per frequency, computed by the
+    converter): the table divides by them, as llama.cpp does, and the logits are the directory's up to the
+    converter's float32 rounding of the factors."""
+    from gguf import GGUFReader
+
+    from static_decode.model import rope
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    vocab = gguf_files.bpe_tokenizer(ckpt, "smollm").get_vocab_size()
+    save(hf_llama(vocab=vocab, eos=2, seed=6, rope="llama3"), ckpt)
+    f32 = gguf_files.convert(ckpt, "f32", tmp_path / "m-f32.gguf", pre="smollm")
+    stored = next(t for t in GGUFReader(f32).tensors if t.name == "rope_freqs.weight")
+    got, ref = load_model(f32), load_model(ckpt)
+    c = got.config
+    assert c.rope.type == "default" and c.rope.freq_factors == tuple(float(v) for v in stored.data)
+    base = rope.inv_freq(dataclasses.replace(c.rope, freq_factors=()), c.head_dim)
+    assert torch.equal(rope.inv_freq(c.rope, c.head_dim), base / torch.from_numpy(stored.data.copy()))
+    torch.testing.assert_close(rope.inv_freq(c.rope, c.head_dim), rope.inv_freq(ref.config.rope, c.head_dim),
+                               rtol=1e-6, atol=0)
+    for a, b in zip(feed(got, [PROMPT], 4), feed(ref, [PROMPT], 4), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="rope freq_factors hold 3 values; the rotary width 8 needs 4"):
+        dataclasses.replace(c.rope, freq_factors=(1.0, 2.0, 3.0)).check(8)
+    with pytest.raises(ValueError, match="rope freq_factors divide the default table; this rope is 'llama3'"):
+        dataclasses.replace(ref.config.rope, freq_factors=(1.0,))
