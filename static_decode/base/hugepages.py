@@ -158,5 +158,6 @@ def to_huge_pages(model: nn.Module, *, min_bytes: int = HUGE_PAGE,
             slot.copy_(t)
             t.data = slot
             offset += _round_up(t.nbytes, ALIGN)
+    trim_heap()  # the tensors' old storage, freed by the moves, back to the system
     collapse(region, start, span)  # the parts the faults left on 4 KB pages
     return total
