@@ -1,11 +1,13 @@
 // The AVX-512 (VNNI) products with GGUF's K-quant blocks (gguf_blocks.h): two subs of 32 weights a 512-bit register,
 // one vpdpbusd for 64 code products into 16 int32 lanes (4 a quarter of 16 weights), each lane's scale (the sub's or
-// the half's, times the row's d) picked from a vector of a super-block's 8 or 16 scales by one permute. Half the
-// instructions a weight of the 256-bit loop (gguf_avx2.cpp), which the 32-weight types keep: their blocks' scales sit
-// 18-34 bytes apart, and that loop reads them at the memory's rate already.
+// the half's, times the row's d) picked from a vector of a super-block's 8 or 16 scales by one permute. About half
+// the instructions a weight of the 256-bit loop (gguf_avx2.cpp), which the 32-weight types keep: their blocks are
+// bound by per-block work (unaligned 18-34 byte blocks, a float16 scale each), and two a 512-bit register measured
+// no faster.
 #include "gguf_blocks.h"
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__)
 #include <immintrin.h>
 
 namespace static_decode_kernels {
@@ -28,7 +30,8 @@ float row_k4(const uint8_t* w, const Row& x) {
   // pair p's lanes take sub 2p's scale (0-7) and sub 2p + 1's (8-15)
   const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i pick[4] = {halves, _mm512_add_epi32(halves, _mm512_set1_epi32(2)),
-                           _mm512_add_epi32(halves, _mm512_set1_epi32(4)), _mm512_add_epi32(halves, _mm512_set1_epi32(6))};
+                           _mm512_add_epi32(halves, _mm512_set1_epi32(4)),
+                           _mm512_add_epi32(halves, _mm512_set1_epi32(6))};
   __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   __m256 off = _mm256_setzero_ps();
   for (int64_t k0 = 0; k0 < x.K; k0 += 256, w += bytes) {

@@ -196,7 +196,8 @@ void rows_portable(int64_t type, const uint8_t* W, int64_t row_bytes, const Row&
 #if defined(__AVX2__)
 void rows_avx2(int64_t type, const uint8_t* W, int64_t row_bytes, const Row& x, int64_t n0, int64_t n1, float* y);
 #endif
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__)
 #define STATIC_DECODE_GGUF_AVX512 1
 // The K-quants' 512-bit loops (gguf_avx512.cpp); false for a type they leave to AVX2's.
 bool rows_avx512(int64_t type, const uint8_t* W, int64_t row_bytes, const Row& x, int64_t n0, int64_t n1, float* y);
