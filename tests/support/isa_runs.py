@@ -31,6 +31,7 @@ KERNEL_TESTS = (
     "tests/kernels/test_native_boundary.py", "tests/kernels/test_native_fuzz.py", "tests/kernels/test_gguf_kernel.py",
     "tests/model/test_fused_decode.py", "tests/model/test_fused_quant.py", "tests/model/test_linear_quant.py",
     "tests/model/test_window_fused.py", "tests/model/test_fused_projections.py", "tests/model/test_kv_int8_model.py",
+    "tests/model/test_fused_gguf.py",
     "tests/steps/test_sample_keys.py",
 )
 # What the kernel tests do that is not the kernels': graphs compiled by inductor around the ops (the capture

@@ -71,8 +71,8 @@ def quantized_model(dtype: torch.dtype, scheme: str, config: str) -> Llama:
 @st.composite
 def layers_q_case(draw, h: Harness, forced: tuple[str, int, str] | None = None) -> dict:
     """A decode_layers_q case; `forced`: (break, form, scheme) instead of drawn ones (a length's forms: the values
-    listed here)."""
-    bad = {forced[0]} if forced else breaks(draw, list(LAYER_BREAKS))
+    listed here; break "none": a valid case of that scheme)."""
+    bad = {forced[0]} - {"none"} if forced else breaks(draw, list(LAYER_BREAKS))
 
     def value(name: str, forms: list[int], drawn: st.SearchStrategy[int]) -> int:
         return forms[forced[1]] if forced and forced[0] == name else draw(drawn)
@@ -274,7 +274,8 @@ def check_layers_q(h: Harness, guard: int, c: dict) -> None:
 
 
 def check_layers_q_cases(h: Harness, examples: int, guard: int) -> None:
-    """`examples` drawn cases, then each break in each of its forms alone, for each scheme, in the first case drawn
+    """`examples` drawn cases, a valid call of each scheme, dtype and model, then each break in each of its forms
+    alone, for each scheme, in the first case drawn
     with a few cache rows and, but for the lengths' breaks, a token to write; the sweep's cases are picked without
     the validity rule, so that a wrong rule cannot pick the cases that hide it."""
 
@@ -284,6 +285,12 @@ def check_layers_q_cases(h: Harness, examples: int, guard: int) -> None:
         check_layers_q(h, guard, c)
 
     cases()
+    # A valid call of every scheme, dtype and model, with a token to write: how many of the drawn cases are valid
+    # follows hypothesis's stream, which any change to what a case draws moves.
+    for scheme, dtype, config in itertools.product(SCHEMES, (torch.float32, torch.bfloat16), sorted(CONFIGS)):
+        case = find(layers_q_case(h, ("none", 0, scheme)), lambda c, d=dtype, m=config: (
+            (c["dtype"], c["config"]) == (d, m) and c["max_len"] >= 3 and c["n"] == 1), settings=FIRST)
+        check_layers_q(h, guard, case)
     lengths = {"n", "lens", "after", "read_len"}
     for bad, forms in LAYER_BREAKS.items():
         for form, scheme in itertools.product(range(forms), SCHEMES):
