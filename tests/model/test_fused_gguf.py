@@ -53,12 +53,14 @@ def test_fused_gguf_layers_match_the_eager_ones(kind, dtype, cached, n_new, read
     want = decode_layers(model, ref_cache, 17, n_new, read_len, fused=False)
     got = decode_layers(model, cache, 17, n_new, read_len, fused=True)
     assert want.abs().max() > 1.0  # the layers did move x
+    # Every product quantizes its row to int8 codes (float32 models too): a last-bit difference in a norm (the two
+    # sides sum in another order) can move a code by one step, 1/254 of its block's largest value, and bfloat16's
+    # roundings grow through the random layers. Both sides agree where no code moved (AVX-512 here: to 1e-5).
     for a, b in ((got, want), (cache.k, ref_cache.k), (cache.v, ref_cache.v)):
-        if dtype == torch.bfloat16:  # a last-bit difference in a norm grows through the random layers
-            torch.testing.assert_close(a, b, rtol=0.03, atol=0.03 * b.abs().max().item())
-            assert (a.float() - b.float()).abs().mean() <= 0.01 * b.float().abs().mean()
-        else:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        err = (a.float() - b.float()).abs()
+        limit = 0.03 if dtype == torch.bfloat16 else 0.01
+        torch.testing.assert_close(a, b, rtol=limit, atol=limit * b.abs().max().item())
+        assert err.mean() <= limit / 3 * b.float().abs().mean()
 
 
 def test_an_int8_cache_or_a_mix_with_our_formats_stays_off_the_kernel():
