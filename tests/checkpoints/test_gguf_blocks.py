@@ -106,9 +106,17 @@ def test_one_token_steps_multiply_the_row_codes(files):
 
 
 def test_compiled_steps_give_the_eager_tokens(files):
+    """The greedy steps compiled (one bucket) decode through the fused layers over the blocks, the eager tokens."""
+    from capture import CaptureOptions
+    from static_decode.steps.functions import GREEDY_KINDS
+
     model = load_gguf(files["Q4_K_M"])
     eager = Generator(model, max_len=64).generate(PROMPT, 10)
-    assert Generator(model, max_len=64, compile=True).generate(PROMPT, 10) == eager
+    gen = Generator(model, max_len=64, compile=True,
+                    capture=CaptureOptions(buckets=(64,), kinds=GREEDY_KINDS, progress=False))
+    assert gen.generate(PROMPT, 10) == eager
+    assert gen.runner.regions.fused is not None, gen.runner.regions.fused_why
+    gen.runner.close()
 
 
 def test_a_model_that_would_not_fit_is_refused_before_any_tensor_is_read(files, monkeypatch):
