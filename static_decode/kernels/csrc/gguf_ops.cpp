@@ -6,10 +6,9 @@
 
 #include "checks.h"
 #include "gguf_blocks.h"
+#include "kernels.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
-#include <ATen/ops/mm.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -19,7 +18,6 @@ namespace {
 
 namespace gguf = static_decode_kernels::gguf;
 
-constexpr int64_t kBlockBytes = 1 << 20;  // dequantized bytes a block of rows (linear_quant.cpp's, measured there)
 constexpr int64_t kGrainRows = 16;        // rows a thread takes at least in gemv_gguf
 
 // Checks blocks (uint8 [N, row bytes], contiguous) of `type` for `op` and returns the weight's K.
@@ -42,6 +40,16 @@ void check_row(const at::Tensor& x, int64_t K, const char* op) {
               " is not float32/bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.size(0) > 0 && x.size(1) == K, op, ": x ", x.sizes(), " is not [M, ", K,
               "] (the ", K, " values the weight's columns take)");
+}
+
+// The one row x [1, K] of a one-row product as its int8 codes (gguf::quantize_row), checked first.
+gguf::Row one_row(const at::Tensor& x, int64_t K, const char* op) {
+  check_row(x, K, op);
+  TORCH_CHECK(x.size(0) == 1, op, ": x ", x.sizes(), " must be one row (linear_gguf takes several)");
+  const auto xf = x.to(at::kFloat).contiguous();
+  gguf::Row row;
+  gguf::quantize_row(xf.data_ptr<float>(), K, row);
+  return row;
 }
 
 // Sub j of the block at b, dequantized into out[32]: the product rounded, then the offset added, never fused (gguf's
@@ -87,11 +95,7 @@ void dequant_rows(int64_t type, const uint8_t* W, int64_t row_bytes, int64_t K, 
 at::Tensor gemv_gguf(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
   constexpr const char* op = "gemv_gguf";
   const int64_t K = check_blocks(blocks, type, op);
-  check_row(x, K, op);
-  TORCH_CHECK(x.size(0) == 1, op, ": x ", x.sizes(), " must be one row (linear_gguf takes several)");
-  const auto xf = x.to(at::kFloat).contiguous();
-  gguf::Row row;
-  gguf::quantize_row(xf.data_ptr<float>(), K, row);
+  const gguf::Row row = one_row(x, K, op);
   const int64_t N = blocks.size(0), row_bytes = blocks.size(1);
   const auto* W = blocks.data_ptr<uint8_t>();
   auto y = at::empty({1, N}, x.options().dtype(at::kFloat));
@@ -104,11 +108,7 @@ at::Tensor gemv_gguf(const at::Tensor& x, const at::Tensor& blocks, int64_t type
 at::Tensor gemv_gguf_portable(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
   constexpr const char* op = "gemv_gguf_portable";
   const int64_t K = check_blocks(blocks, type, op);
-  check_row(x, K, op);
-  TORCH_CHECK(x.size(0) == 1, op, ": x ", x.sizes(), " must be one row");
-  const auto xf = x.to(at::kFloat).contiguous();
-  gguf::Row row;
-  gguf::quantize_row(xf.data_ptr<float>(), K, row);
+  const gguf::Row row = one_row(x, K, op);
   auto y = at::empty({1, blocks.size(0)}, x.options().dtype(at::kFloat));
   gguf::rows_portable(type, blocks.data_ptr<uint8_t>(), blocks.size(1), row, 0, blocks.size(0), y.data_ptr<float>());
   return y;
@@ -132,24 +132,10 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
   constexpr const char* op = "linear_gguf";
   const int64_t K = check_blocks(blocks, type, op);
   check_row(x, K, op);
-  const auto xc = x.contiguous();  // [M, K]
-  const int64_t M = x.size(0), N = blocks.size(0), item = static_cast<int64_t>(x.element_size());
-  const int64_t by_cache = std::max<int64_t>(16, kBlockBytes / (K * item) / 16 * 16);
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t rows = std::min({N, by_cache, ((N + threads - 1) / threads + 15) / 16 * 16});
   const auto* W = blocks.data_ptr<uint8_t>();
-  auto y = at::empty({M, N}, x.options());
-  const at::ThreadLocalState caller;  // inference mode and the like: OpenMP's threads do not inherit them
-  at::parallel_for(0, (N + rows - 1) / rows, 1, [&](int64_t b0, int64_t b1) {
-    const at::ThreadLocalStateGuard same(caller);  // y may be an inference tensor, written in place here
-    auto w = at::empty({rows, K}, x.options());  // this thread's block of the weight, reused block after block
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * rows, n = std::min(rows, N - n0);
-      dequant_rows(type, W, blocks.size(1), K, n0, n0 + n, x.scalar_type(), w.data_ptr());
-      y.narrow(1, n0, n).copy_(at::mm(xc, w.narrow(0, 0, n).t()));  // one thread's GEMM, inside the region
-    }
+  return static_decode_kernels::linear_by_row_blocks(x, blocks.size(0), K, [&](int64_t n0, int64_t n1, void* out) {
+    dequant_rows(type, W, blocks.size(1), K, n0, n1, x.scalar_type(), out);
   });
-  return y;
 }
 
 int64_t meta_k(const at::Tensor& blocks, int64_t type) {

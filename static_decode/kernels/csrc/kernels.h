@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "gguf_blocks.h"
@@ -134,6 +135,12 @@ QuantMat quant_mat(const at::Tensor& q, const at::Tensor& s, int64_t group, cons
 // Rows [n0, n1) of m's weight [N, K] at `out` (rows n0.. from its start) in `dtype` (float32 or bfloat16): each value
 // computed in float32 and rounded once, the weight the several-row products multiply by (dequant_q's values).
 void dequant_rows_into(const QuantMat& m, int64_t K, int64_t n0, int64_t n1, at::ScalarType dtype, void* out);
+
+// linear_quant.cpp: y [M, N] = x [M, K] W^T for a weight that `dequant(n0, n1, out)` writes rows [n0, n1) of, in x's
+// dtype, into `out`: a block of rows at a time, each into a buffer that stays in L2, then the float GEMM there
+// (linear_q's and linear_gguf's several-row products).
+at::Tensor linear_by_row_blocks(const at::Tensor& x, int64_t N, int64_t K,
+                                const std::function<void(int64_t, int64_t, void*)>& dequant);
 
 #if STATIC_DECODE_AVX2
 // gemv_avx2.cpp: the AVX2 loops, which the files above call where their own ISA's are missing.

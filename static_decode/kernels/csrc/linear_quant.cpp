@@ -17,22 +17,13 @@
 
 #include <algorithm>
 #include <cstdint>
-
-namespace {
+#include <functional>
 
 // Dequantized bytes a block of rows: half the L2 of the cores this was measured on, a multiple of 16 rows.
 constexpr int64_t kBlockBytes = 1 << 20;
 
-// x [M, K] (float32 or bfloat16) times the quantized weight's transpose -> [M, N] in x's dtype.
-at::Tensor linear_q(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group) {
-  constexpr const char* op = "linear_q";
-  int64_t N = 0, K = 0;
-  const auto m = static_decode_kernels::quant_mat(qweight, scales, group, op, "the weight", &N, &K);
-  static_decode_kernels::check_cpu(x, op, "x");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x's dtype ",
-              x.scalar_type(), " is not float32/bfloat16");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) > 0 && x.size(1) == K, op, ": x ", x.sizes(), " is not [M, ", K,
-              "] (M >= 1 rows of the ", K, " values the weight's columns take)");
+at::Tensor static_decode_kernels::linear_by_row_blocks(
+    const at::Tensor& x, int64_t N, int64_t K, const std::function<void(int64_t, int64_t, void*)>& dequant) {
   const auto xc = x.contiguous();  // [M, K]
   const int64_t M = x.size(0), item = static_cast<int64_t>(x.element_size());
   // rows a block: kBlockBytes of weight, and at least one block a thread (a small weight is still split)
@@ -46,7 +37,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& qweight, const at::Te
     auto w = at::empty({rows, K}, x.options());  // this thread's block of the weight, reused block after block
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * rows, n = std::min(rows, N - n0);
-      static_decode_kernels::dequant_rows_into(m, K, n0, n0 + n, x.scalar_type(), w.data_ptr());
+      dequant(n0, n0 + n, w.data_ptr());
       // [M, K] x [K, n]: x as the GEMM's first operand, read in place; the block, new to the GEMM anyway, as the one
       // it packs (the other way round the GEMM packed x again for every block). One thread's GEMM: this is inside
       // the parallel region.
@@ -54,6 +45,23 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& qweight, const at::Te
     }
   });
   return y;
+}
+
+namespace {
+
+// x [M, K] (float32 or bfloat16) times the quantized weight's transpose -> [M, N] in x's dtype.
+at::Tensor linear_q(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group) {
+  constexpr const char* op = "linear_q";
+  int64_t N = 0, K = 0;
+  const auto m = static_decode_kernels::quant_mat(qweight, scales, group, op, "the weight", &N, &K);
+  static_decode_kernels::check_cpu(x, op, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x's dtype ",
+              x.scalar_type(), " is not float32/bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) > 0 && x.size(1) == K, op, ": x ", x.sizes(), " is not [M, ", K,
+              "] (M >= 1 rows of the ", K, " values the weight's columns take)");
+  return static_decode_kernels::linear_by_row_blocks(x, N, K, [&](int64_t n0, int64_t n1, void* out) {
+    static_decode_kernels::dequant_rows_into(m, K, n0, n1, x.scalar_type(), out);
+  });
 }
 
 at::Tensor linear_q_meta(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group) {
