@@ -37,33 +37,26 @@ struct Layout {
   int64_t bytes;    // per block
 };
 
+struct TypeInfo {
+  int64_t type;
+  const char* name;
+  Layout layout;
+};
+inline constexpr TypeInfo kTypes[] = {
+    {Q4_0, "Q4_0", {32, 18}},   {Q4_1, "Q4_1", {32, 20}},   {Q5_0, "Q5_0", {32, 22}},   {Q5_1, "Q5_1", {32, 24}},
+    {Q8_0, "Q8_0", {32, 34}},   {Q4_K, "Q4_K", {256, 144}}, {Q5_K, "Q5_K", {256, 176}}, {Q6_K, "Q6_K", {256, 210}}};
+
 // The layout of `type`; weights 0 for a type this file does not know.
 inline Layout layout(int64_t type) {
-  switch (type) {
-    case Q4_0: return {32, 18};
-    case Q4_1: return {32, 20};
-    case Q5_0: return {32, 22};
-    case Q5_1: return {32, 24};
-    case Q8_0: return {32, 34};
-    case Q4_K: return {256, 144};
-    case Q5_K: return {256, 176};
-    case Q6_K: return {256, 210};
-    default: return {0, 0};
-  }
+  for (const TypeInfo& t : kTypes)
+    if (t.type == type) return t.layout;
+  return {0, 0};
 }
 
 inline const char* type_name(int64_t type) {
-  switch (type) {
-    case Q4_0: return "Q4_0";
-    case Q4_1: return "Q4_1";
-    case Q5_0: return "Q5_0";
-    case Q5_1: return "Q5_1";
-    case Q8_0: return "Q8_0";
-    case Q4_K: return "Q4_K";
-    case Q5_K: return "Q5_K";
-    case Q6_K: return "Q6_K";
-    default: return "an unknown type";
-  }
+  for (const TypeInfo& t : kTypes)
+    if (t.type == type) return t.name;
+  return "an unknown type";
 }
 
 inline float half(const uint8_t* p) {
